@@ -1,0 +1,56 @@
+"""multilock.core: leader election for asyncio services.
+
+Many copies of a service run at once; for each named group, exactly one leads. See
+`LeaderElection` to campaign, `watch_leader` to observe, `from_url` to build a provider,
+and `multilock.core.sync` for threaded programs.
+"""
+
+from ._election import LeaderElection, watch_leader
+from ._errors import ConfigurationError, LeadershipLost, MultilockError, ProviderError
+from ._events import EventStream, on_transition, until_leader, while_leader
+from ._memory import InMemoryProvider
+from ._names import validate_metadata, validate_name
+from ._options import ElectionOptions
+from ._provider import Provider
+from ._types import (
+    ElectionState,
+    ElectionStatistics,
+    EventKind,
+    LeaderInfo,
+    Leadership,
+    LeadershipEvent,
+    RunResult,
+    RunStatus,
+)
+from ._url import available_schemes, from_url, redact_url
+
+__all__ = [
+    "ConfigurationError",
+    "ElectionOptions",
+    "ElectionState",
+    "ElectionStatistics",
+    "EventKind",
+    "EventStream",
+    "InMemoryProvider",
+    "LeaderElection",
+    "LeaderInfo",
+    "Leadership",
+    "LeadershipEvent",
+    "LeadershipLost",
+    "MultilockError",
+    "Provider",
+    "ProviderError",
+    "RunResult",
+    "RunStatus",
+    "available_schemes",
+    "from_url",
+    "on_transition",
+    "redact_url",
+    "until_leader",
+    "validate_metadata",
+    "validate_name",
+    "watch_leader",
+    "while_leader",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,35 @@
+"""The exceptions of multilock, one tree for every backend::
+
+    MultilockError
+     +-- ConfigurationError (also a ValueError): bad options, names, metadata or URLs
+     +-- ProviderError: a call to the store failed; the driver's error is ``__cause__``
+     +-- LeadershipLost: the term this code relied on has ended
+
+A lost lease is never reported as a silent ``False`` to user code: ``Leadership.check()``
+raises `LeadershipLost`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigurationError", "LeadershipLost", "MultilockError", "ProviderError"]
+
+
+class MultilockError(Exception):
+    """Base class of every exception raised by multilock."""
+
+
+class ConfigurationError(MultilockError, ValueError):
+    """Reject invalid options, names, metadata or URLs, at the boundary."""
+
+
+class ProviderError(MultilockError):
+    """A backend call failed (network, server, driver); the term may or may not be intact."""
+
+
+class LeadershipLost(MultilockError):
+    """The leadership term has ended: stop touching what it protected."""
+
+    def __init__(self, group: str, token: int, reason: str = "leadership lost") -> None:
+        super().__init__(f"{reason} (group={group!r}, token={token})")
+        self.group = group
+        self.token = token

@@ -1,0 +1,117 @@
+"""`ElectionOptions`: every knob of an election, validated once, at construction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import attrs
+
+from ._errors import ConfigurationError
+from ._names import default_participant_id, to_seconds, validate_metadata, validate_name
+
+__all__ = ["ElectionOptions"]
+
+Duration = float | timedelta
+
+
+def _lease(value: Any) -> float:
+    return to_seconds(value, "lease_duration")
+
+
+def _renew(value: Any) -> float:
+    return to_seconds(value, "renew_interval")
+
+
+def _retry(value: Any) -> float:
+    return to_seconds(value, "retry_interval")
+
+
+def _group(value: Any) -> str:
+    return validate_name(value, "group")
+
+
+def _participant(value: Any) -> str:
+    return validate_name(value, "participant_id")
+
+
+def _drift(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"max_clock_drift must be a number, not {type(value).__name__}")
+    if not (math.isfinite(value) and 0 <= value < 0.5):
+        raise ConfigurationError(f"max_clock_drift must be in [0, 0.5), got {value!r}")
+    return float(value)
+
+
+def _release_on_stop(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"release_on_stop must be True or False, not {value!r}")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class ElectionOptions:
+    """How one participant campaigns for one group.
+
+    Durations are float seconds or `timedelta`; they are stored as float seconds. The
+    timings must satisfy ``2 * renew_interval < lease_duration * (1 - max_clock_drift)``
+    (the leader can miss one renew and still renew before its deadline) and
+    ``retry_interval <= lease_duration``; otherwise `ConfigurationError` names the rule
+    and the values.
+    """
+
+    group: str = attrs.field(default="default", converter=_group)
+    participant_id: str = attrs.field(factory=default_participant_id, converter=_participant)
+    lease_duration: float = attrs.field(default=15.0, converter=_lease)
+    #: Default: a third of the lease.
+    renew_interval: float = attrs.field(
+        default=attrs.Factory(lambda self: self.lease_duration / 3, takes_self=True),
+        converter=_renew,
+    )
+    #: Default: 2 s, or the lease if that is shorter. Jittered down by up to a quarter.
+    retry_interval: float = attrs.field(
+        default=attrs.Factory(lambda self: min(2.0, self.lease_duration), takes_self=True),
+        converter=_retry,
+    )
+    release_on_stop: bool = attrs.field(default=True, converter=_release_on_stop)
+    metadata: Mapping[str, str] = attrs.field(factory=dict, converter=validate_metadata, hash=False)
+    max_clock_drift: float = attrs.field(default=0.01, converter=_drift)
+
+    def __attrs_post_init__(self) -> None:
+        usable = self.lease_duration * (1 - self.max_clock_drift)
+        if not 2 * self.renew_interval < usable:
+            raise ConfigurationError(
+                "renew_interval is too long for lease_duration: the rule "
+                "2 * renew_interval < lease_duration * (1 - max_clock_drift) gives "
+                f"2 * {self.renew_interval:g} = {2 * self.renew_interval:g} which is not less "
+                f"than {self.lease_duration:g} * (1 - {self.max_clock_drift:g}) = {usable:g}"
+            )
+        if not self.retry_interval <= self.lease_duration:
+            raise ConfigurationError(
+                "retry_interval must not exceed lease_duration: "
+                f"{self.retry_interval:g} > {self.lease_duration:g}"
+            )
+
+    @property
+    def step_down_margin(self) -> float:
+        """Seconds a leader keeps in hand to stop its work before the store can expire it."""
+        return min(0.25, 0.02 * self.lease_duration)
+
+    @property
+    def worst_case_failover(self) -> float:
+        """Seconds from a leader's crash until a live candidate can lead (store delay aside)."""
+        return self.lease_duration + self.retry_interval
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> ElectionOptions:
+        """Build from keywords, turning an unknown name into a `ConfigurationError`."""
+        known = {a.name for a in attrs.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown election option(s) {', '.join(unknown)}; "
+                f"valid options are {', '.join(sorted(known))}"
+            )
+        return cls(**fields)

@@ -1,0 +1,96 @@
+"""The provider interface: everything a store must do for an election, and nothing more.
+
+A provider is thin. It performs single atomic compare-then-act operations on its store and
+reports what happened; the core owns all timing, retries, backoff and jitter.
+
+Rules every implementation keeps (``multilock.core.testing.check_provider`` proves them):
+
+- ``try_acquire`` takes the lease only if it is free or expired, and gives the new term a
+  fencing token strictly greater than every earlier token of the group, across release,
+  expiry, crash and store restarts. If the caller already holds a live lease, it extends
+  it and returns the *same* term (so a retry after a lost reply never silently starts a
+  second term).
+- ``renew`` and ``release`` compare both the participant id and the token.
+- ``get_leader`` reports only a live lease, never a stale or expired record.
+- A failed call raises `ProviderError` with the driver's exception as ``__cause__``;
+  invalid names or metadata raise `ConfigurationError`.
+- Blocking drivers run in worker threads; nothing blocks the event loop.
+- Every coroutine is cancel-safe: a cancelled call leaves the store consistent.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+from ._types import LeaderInfo
+
+if TYPE_CHECKING:
+    from ._options import ElectionOptions
+
+__all__ = ["Provider"]
+
+
+class Provider(abc.ABC):
+    """Base class of every backend. Durations are float seconds."""
+
+    @abc.abstractmethod
+    async def try_acquire(
+        self,
+        group: str,
+        participant_id: str,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> LeaderInfo | None:
+        """Take the lease if it is free or expired; return the new term, or None if held."""
+
+    @abc.abstractmethod
+    async def renew(
+        self,
+        group: str,
+        participant_id: str,
+        token: int,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> bool:
+        """Extend the lease held by (participant_id, token); False if it is no longer held."""
+
+    @abc.abstractmethod
+    async def release(self, group: str, participant_id: str, token: int) -> None:
+        """Give the lease up now; a no-op when (participant_id, token) does not hold it."""
+
+    @abc.abstractmethod
+    async def get_leader(self, group: str) -> LeaderInfo | None:
+        """Return the holder of the live lease, or None."""
+
+    def watch(self, group: str) -> AsyncIterator[None] | None:
+        """Return an iterator that yields whenever the group's leader may have changed.
+
+        It yields on release, on acquisition, and when the observed lease is due to expire,
+        so that followers do not poll. Return None (the default) when the store cannot
+        notify: the core then polls at ``retry_interval``. The iterator may yield spuriously;
+        it raises `ProviderError` if it breaks, and the core falls back to polling and
+        calls ``watch`` again later.
+        """
+        return None
+
+    def check_options(self, options: ElectionOptions) -> None:
+        """Raise `ConfigurationError` for options this store cannot honour (default: none)."""
+        return
+
+    async def aclose(self) -> None:
+        """Release connections and background tasks. Idempotent."""
+        return
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,180 @@
+"""Value types shared by the election, the providers and user code."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Generic, TypeVar
+
+import attrs
+
+from ._errors import LeadershipLost
+
+__all__ = [
+    "ElectionState",
+    "ElectionStatistics",
+    "EventKind",
+    "LeaderInfo",
+    "Leadership",
+    "LeadershipEvent",
+    "RunResult",
+    "RunStatus",
+]
+
+T = TypeVar("T")
+
+
+def _frozen_dict(value: Mapping[str, str] | None) -> dict[str, str]:
+    return dict(value or {})
+
+
+@attrs.frozen(kw_only=True)
+class LeaderInfo:
+    """The live leader of a group as the store sees it."""
+
+    participant_id: str
+    #: The fencing token of the term: strictly greater than every earlier term's token.
+    token: int
+    metadata: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_dict, hash=False)
+    #: When the term began (UTC), as recorded by the provider.
+    acquired_at: datetime
+
+
+class EventKind(enum.Flag):
+    """What a `LeadershipEvent` reports; combine with ``|`` to subscribe to several."""
+
+    ACQUIRED = enum.auto()
+    LOST = enum.auto()
+    LEADER_CHANGED = enum.auto()
+    ALL = ACQUIRED | LOST | LEADER_CHANGED
+
+
+@attrs.frozen(kw_only=True)
+class LeadershipEvent:
+    """One change seen by one election.
+
+    ``participant_id`` is the election's own id; ``leader`` is the leader it observes after
+    the change (None: nobody, or not known yet); ``token`` is the term's token for ACQUIRED
+    and LOST (LOST carries the token of the term that ended), the new leader's for
+    LEADER_CHANGED.
+    """
+
+    kind: EventKind
+    group: str
+    participant_id: str
+    leader: LeaderInfo | None
+    token: int | None
+    at: datetime
+
+
+class ElectionState(enum.Enum):
+    """Where an election is in its life."""
+
+    IDLE = "idle"
+    CAMPAIGNING = "campaigning"
+    LEADING = "leading"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@attrs.frozen(kw_only=True)
+class ElectionStatistics:
+    """A snapshot for metrics and health checks, from `LeaderElection.statistics()`."""
+
+    state: ElectionState
+    is_leader: bool
+    token: int | None
+    terms_won: int
+    acquire_attempts: int
+    acquire_failures: int
+    renewals: int
+    renew_failures: int
+    #: Seconds taken by the last successful renew (None before the first one).
+    last_renew_latency: float | None
+    #: Total seconds spent as leader, the current term included.
+    time_as_leader: float
+
+
+class RunStatus(enum.Enum):
+    """How `LeaderElection.run_if_leader` ended."""
+
+    NOT_LEADER = "not_leader"
+    COMPLETED = "completed"
+    LOST = "lost"
+
+
+@attrs.frozen(kw_only=True)
+class RunResult(Generic[T]):
+    """The outcome of `run_if_leader`: ``value`` is set only when ``status`` is COMPLETED."""
+
+    status: RunStatus
+    value: T | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.status is RunStatus.COMPLETED
+
+
+class Leadership:
+    """One term of leadership held by this process.
+
+    Valid from acquisition until the local deadline passes without a successful renew, the
+    provider reports the lease gone, or the election resigns or stops. ``lost`` is a
+    `threading.Event` so code in worker threads can wait on it.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_deadline",
+        "acquired_at",
+        "group",
+        "lost",
+        "metadata",
+        "participant_id",
+        "token",
+    )
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        participant_id: str,
+        token: int,
+        acquired_at: datetime,
+        metadata: Mapping[str, str],
+        deadline: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.group = group
+        self.participant_id = participant_id
+        self.token = token
+        self.acquired_at = acquired_at
+        self.metadata: Mapping[str, str] = dict(metadata)
+        self.lost = threading.Event()
+        self._deadline = deadline
+        self._clock = clock
+
+    @property
+    def is_valid(self) -> bool:
+        """True while the term holds: no I/O, judged on the local monotonic clock."""
+        return not self.lost.is_set() and self._clock() < self._deadline
+
+    @property
+    def time_left(self) -> float:
+        """Seconds until the local deadline (0 once invalid)."""
+        if self.lost.is_set():
+            return 0.0
+        return max(0.0, self._deadline - self._clock())
+
+    def check(self) -> None:
+        """Raise `LeadershipLost` if the term has ended; call it before each protected step."""
+        if not self.is_valid:
+            raise LeadershipLost(self.group, self.token)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Leadership group={self.group!r} participant_id={self.participant_id!r} "
+            f"token={self.token} valid={self.is_valid}>"
+        )

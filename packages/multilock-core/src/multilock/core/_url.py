@@ -1,0 +1,159 @@
+"""`from_url`: build a provider from a URL, finding backends through entry points.
+
+Each backend distribution registers its provider class under the entry-point group
+``multilock.providers``, one entry per URL scheme. The class must offer
+``from_url(url: str, **kwargs) -> Provider``. ``memory://`` is built in.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+
+from ._errors import ConfigurationError
+from ._provider import Provider
+
+__all__ = ["ENTRY_POINT_GROUP", "available_schemes", "from_url", "redact_url"]
+
+ENTRY_POINT_GROUP = "multilock.providers"
+_BUILTIN = {"memory": "multilock.core._memory:InMemoryProvider"}
+#: Where to find the provider for a scheme that is not installed, for the error message.
+_DISTRIBUTIONS = {
+    "file": "multilock-filesystem",
+    "redis": "multilock-redis",
+    "rediss": "multilock-redis",
+    "redis+sentinel": "multilock-redis",
+    "redlock": "multilock-redis",
+    "postgresql": "multilock-postgres",
+    "postgres": "multilock-postgres",
+    "mssql": "multilock-sqlserver",
+    "sqlserver": "multilock-sqlserver",
+    "azureblob": "multilock-azure-blob",
+    "s3": "multilock-s3",
+    "consul": "multilock-consul",
+    "zookeeper": "multilock-zookeeper",
+    "zk": "multilock-zookeeper",
+    "etcd": "multilock-etcd",
+}
+_SECRET_QUERY_KEYS = frozenset(
+    {
+        "password",
+        "passwd",
+        "pwd",
+        "secret",
+        "secret_key",
+        "accountkey",
+        "account_key",
+        "sig",
+        "token",
+        "access_token",
+        "sas",
+        "credential",
+        "key",
+    }
+)
+_REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """Return *url* with its password and secret query values replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if "@" in netloc:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user, sep, _password = userinfo.partition(":")
+            netloc = f"{user}{sep}{_REDACTED if sep else ''}@{hostport}"
+        query = parts.query
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            query = urlencode(
+                [(k, _REDACTED if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs],
+                safe="*",
+            )
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:
+        return "<unparseable URL>"
+
+
+def _secrets_of(url: str) -> list[str]:
+    """The raw secret substrings of *url*, to scrub from driver error messages."""
+    found: list[str] = []
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            found += [parts.password, unquote(parts.password), quote(parts.password)]
+        for k, v in parse_qsl(parts.query, keep_blank_values=True):
+            if k.lower() in _SECRET_QUERY_KEYS and v:
+                found += [v, quote(v, safe="")]
+    except ValueError:
+        pass
+    return sorted({s for s in found if s}, key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """Remove every secret of *url* from *text*."""
+    for secret in _secrets_of(url):
+        text = text.replace(secret, _REDACTED)
+    return text
+
+
+def _entry_points() -> dict[str, EntryPoint | str]:
+    found: dict[str, EntryPoint | str] = dict(_BUILTIN)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found[ep.name] = ep
+    return found
+
+
+def available_schemes() -> list[str]:
+    """The URL schemes of every installed provider, sorted."""
+    return sorted(_entry_points())
+
+
+def _load(target: EntryPoint | str) -> Any:
+    if isinstance(target, EntryPoint):
+        return target.load()
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def from_url(url: str, **kwargs: Any) -> Provider:
+    """Build the provider that *url*'s scheme names, e.g. ``redis://localhost:6379/0``.
+
+    Keyword arguments go to the provider's ``from_url``. Unknown schemes raise
+    `ConfigurationError` listing the installed ones; credentials never appear in errors.
+    """
+    if not isinstance(url, str):
+        raise ConfigurationError(f"url must be a str, not {type(url).__name__}")
+    try:
+        scheme = urlsplit(url).scheme.lower()
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid URL {redact_url(url)}: {exc}") from None
+    if not scheme:
+        raise ConfigurationError(
+            f"URL {redact_url(url)!r} has no scheme; installed schemes: "
+            f"{', '.join(available_schemes())}"
+        )
+    providers = _entry_points()
+    target = providers.get(scheme)
+    if target is None:
+        hint = _DISTRIBUTIONS.get(scheme)
+        install = f" (pip install {hint})" if hint else ""
+        raise ConfigurationError(
+            f"no multilock provider is installed for the scheme {scheme!r}{install}; "
+            f"installed schemes: {', '.join(sorted(providers))}"
+        )
+    cls = _load(target)
+    try:
+        provider = cls.from_url(url, **kwargs)
+    except ConfigurationError as exc:
+        raise ConfigurationError(scrub(str(exc), url)) from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(
+            f"invalid {scheme} URL {redact_url(url)}: {scrub(str(exc), url)}"
+        ) from None
+    if not isinstance(provider, Provider):
+        raise ConfigurationError(f"the {scheme!r} entry point did not build a Provider")
+    return provider

@@ -1,0 +1,30 @@
+"""Tools for testing code that uses multilock, and for testing providers.
+
+- `check_provider`: the contract every provider must pass.
+- `FakeClock`: virtual time for asyncio; nothing sleeps for real.
+- `FaultyProvider` and `Fault`: make a provider hang, fail or refuse on demand.
+- `Cluster`: participant processes on one backend, with real faults (SIGKILL, SIGSTOP).
+- `check_timeline` and `read_event_logs`: prove that participants' logged leadership
+  intervals never overlap and their tokens always rise.
+"""
+
+from ._clock import FakeClock
+from ._cluster import Cluster, Member
+from ._contract import PROVIDER_CHECKS, ProviderFactory, check_provider
+from ._faults import Fault, FaultyProvider
+from ._timeline import Interval, TimelineReport, check_timeline, read_event_logs
+
+__all__ = [
+    "PROVIDER_CHECKS",
+    "Cluster",
+    "Fault",
+    "FakeClock",
+    "FaultyProvider",
+    "Interval",
+    "Member",
+    "ProviderFactory",
+    "TimelineReport",
+    "check_provider",
+    "check_timeline",
+    "read_event_logs",
+]

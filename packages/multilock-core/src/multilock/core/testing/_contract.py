@@ -1,0 +1,393 @@
+"""`check_provider`: the contract every provider passes, written once, run for every backend.
+
+Each check uses its own freshly made group name, so the checks can run against a shared,
+long-lived server. Time passes for real here (these run against real stores): checks that
+need a lease to expire use ``lease_duration`` seconds and wait on conditions with
+deadlines, never on a sleep that merely hopes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import attrs
+
+from .._errors import ConfigurationError
+from .._provider import Provider
+
+__all__ = ["PROVIDER_CHECKS", "ProviderFactory", "check_provider"]
+
+ProviderFactory = Callable[[], Provider | Awaitable[Provider]]
+
+
+@attrs.define
+class _Ctx:
+    factory: ProviderFactory
+    lease: float
+    providers: list[Provider] = attrs.field(factory=list)
+
+    async def provider(self) -> Provider:
+        made = self.factory()
+        provider = await made if inspect.isawaitable(made) else made
+        self.providers.append(provider)
+        return provider
+
+    def group(self) -> str:
+        return f"contract-{uuid.uuid4().hex[:12]}"
+
+    async def close(self) -> None:
+        for provider in self.providers:
+            await provider.aclose()
+
+
+async def _wait_for(
+    what: str, predicate: Callable[[], Awaitable[bool]], within: float, step: float = 0.05
+) -> float:
+    """Poll *predicate* until true; return seconds waited; fail after *within* seconds."""
+    start = time.monotonic()
+    while True:
+        if await predicate():
+            return time.monotonic() - start
+        if time.monotonic() - start > within:
+            raise AssertionError(f"timed out after {within:.1f} s waiting for {what}")
+        await asyncio.sleep(step)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+async def check_invalid_names_rejected(ctx: _Ctx) -> None:
+    p = await ctx.provider()
+    good = ctx.group()
+    for bad in ["", "has space", "slash/name", "x" * 256, "quote'", "semi;colon", "ünï"]:
+        calls: list[tuple[str, Awaitable[Any]]] = [
+            ("try_acquire(group)", p.try_acquire(bad, "p1", ctx.lease, {})),
+            ("try_acquire(participant_id)", p.try_acquire(good, bad, ctx.lease, {})),
+            ("renew(group)", p.renew(bad, "p1", 1, ctx.lease, {})),
+            ("renew(participant_id)", p.renew(good, bad, 1, ctx.lease, {})),
+            ("release(group)", p.release(bad, "p1", 1)),
+            ("release(participant_id)", p.release(good, bad, 1)),
+            ("get_leader(group)", p.get_leader(bad)),
+        ]
+        for name, call in calls:
+            try:
+                await call
+            except ConfigurationError:
+                continue
+            raise AssertionError(f"{name} accepted the invalid name {bad!r}")
+    _expect(await p.get_leader(good) is None, "a rejected call left a leader behind")
+
+
+async def check_one_winner_among_concurrent(ctx: _Ctx) -> None:
+    providers = [await ctx.provider() for _ in range(4)]
+    for _round in range(3):
+        group = ctx.group()
+        results = await asyncio.gather(
+            *(
+                providers[i % len(providers)].try_acquire(group, f"p{i}", ctx.lease * 4, {})
+                for i in range(20)
+            )
+        )
+        winners = [r for r in results if r is not None]
+        _expect(len(winners) == 1, f"{len(winners)} of 20 concurrent try_acquire calls won")
+        leader = await providers[0].get_leader(group)
+        _expect(
+            leader is not None and leader.participant_id == winners[0].participant_id,
+            f"get_leader reports {leader!r}, but {winners[0].participant_id} won",
+        )
+        await providers[0].release(group, winners[0].participant_id, winners[0].token)
+
+
+async def check_acquire_is_idempotent_for_holder(ctx: _Ctx) -> None:
+    p = await ctx.provider()
+    group = ctx.group()
+    first = await p.try_acquire(group, "p1", ctx.lease * 4, {})
+    _expect(first is not None, "try_acquire on a free group failed")
+    assert first is not None
+    again = await p.try_acquire(group, "p1", ctx.lease * 4, {})
+    _expect(
+        again is not None and again.token == first.token,
+        f"a repeated try_acquire by the holder gave {again!r}, not the same term {first.token}",
+    )
+    _expect(await p.try_acquire(group, "p2", ctx.lease * 4, {}) is None, "p2 stole the lease")
+    await p.release(group, "p1", first.token)
+
+
+async def check_renew_extends(ctx: _Ctx) -> None:
+    p = await ctx.provider()
+    group = ctx.group()
+    info = await p.try_acquire(group, "p1", ctx.lease, {})
+    assert info is not None, "try_acquire on a free group failed"
+    started = time.monotonic()
+    for _ in range(3):
+        await asyncio.sleep(ctx.lease * 0.5)
+        _expect(
+            await p.renew(group, "p1", info.token, ctx.lease, {}),
+            "renew by the holder failed",
+        )
+    # 1.5 leases have passed: without the renewals the lease would be gone.
+    _expect(time.monotonic() - started >= ctx.lease * 1.5, "the clock did not move")
+    leader = await p.get_leader(group)
+    _expect(
+        leader is not None and leader.token == info.token,
+        f"after renewals get_leader reports {leader!r}, not token {info.token}",
+    )
+    _expect(await p.try_acquire(group, "p2", ctx.lease, {}) is None, "renewed lease was taken")
+    await p.release(group, "p1", info.token)
+
+
+async def check_renew_requires_owner_and_token(ctx: _Ctx) -> None:
+    p = await ctx.provider()
+    group = ctx.group()
+    info = await p.try_acquire(group, "p1", ctx.lease * 4, {"k": "v"})
+    assert info is not None, "try_acquire on a free group failed"
+    _expect(not await p.renew(group, "p2", info.token, ctx.lease, {}), "renew by a non-owner")
+    _expect(not await p.renew(group, "p1", info.token - 1, ctx.lease, {}), "stale token renewed")
+    _expect(not await p.renew(group, "p1", info.token + 1, ctx.lease, {}), "future token renewed")
+    _expect(not await p.renew(ctx.group(), "p1", info.token, ctx.lease, {}), "renew of free group")
+    leader = await p.get_leader(group)
+    _expect(
+        leader is not None and leader.participant_id == "p1" and leader.token == info.token,
+        f"a failed renew changed the record: {leader!r}",
+    )
+    await p.release(group, "p1", info.token)
+
+
+async def check_release_frees_at_once(ctx: _Ctx) -> None:
+    p, q = await ctx.provider(), await ctx.provider()
+    group = ctx.group()
+    info = await p.try_acquire(group, "p1", ctx.lease * 20, {})
+    assert info is not None, "try_acquire on a free group failed"
+    await p.release(group, "p1", info.token)
+    _expect(await q.get_leader(group) is None, "get_leader reports a leader after release")
+    taken = await q.try_acquire(group, "p2", ctx.lease * 4, {})
+    _expect(taken is not None, "another participant could not acquire right after release")
+    assert taken is not None
+    _expect(taken.token > info.token, f"token went from {info.token} to {taken.token}")
+    _expect(not await p.renew(group, "p1", info.token, ctx.lease, {}), "renew after release")
+    await q.release(group, "p2", taken.token)
+
+
+async def check_release_by_non_owner_is_noop(ctx: _Ctx) -> None:
+    p = await ctx.provider()
+    group = ctx.group()
+    info = await p.try_acquire(group, "p1", ctx.lease * 4, {})
+    assert info is not None, "try_acquire on a free group failed"
+    await p.release(group, "p2", info.token)
+    await p.release(group, "p1", info.token - 1)
+    await p.release(group, "p1", info.token + 1)
+    await p.release(ctx.group(), "p1", info.token)
+    leader = await p.get_leader(group)
+    _expect(
+        leader is not None and leader.participant_id == "p1" and leader.token == info.token,
+        f"a release by a non-owner changed the leader to {leader!r}",
+    )
+    _expect(await p.renew(group, "p1", info.token, ctx.lease, {}), "holder lost its lease")
+    await p.release(group, "p1", info.token)
+
+
+async def check_expiry_frees_the_group(ctx: _Ctx) -> None:
+    p, q = await ctx.provider(), await ctx.provider()
+    group = ctx.group()
+    started = time.monotonic()
+    info = await p.try_acquire(group, "p1", ctx.lease, {})
+    assert info is not None, "try_acquire on a free group failed"
+    _expect(await q.try_acquire(group, "p2", ctx.lease, {}) is None, "a live lease was taken")
+
+    async def nobody() -> bool:
+        return await q.get_leader(group) is None
+
+    await _wait_for("get_leader to report nobody after expiry", nobody, ctx.lease * 3 + 5)
+    elapsed = time.monotonic() - started
+    _expect(
+        elapsed >= ctx.lease * 0.9,
+        f"the lease vanished after {elapsed:.3f} s, before lease_duration={ctx.lease}",
+    )
+    taken = await q.try_acquire(group, "p2", ctx.lease, {})
+    _expect(taken is not None, "the group was not free after the lease expired")
+    assert taken is not None
+    _expect(taken.token > info.token, f"token went from {info.token} to {taken.token}")
+    _expect(not await p.renew(group, "p1", info.token, ctx.lease, {}), "expired holder renewed")
+    await p.release(group, "p1", info.token)
+    leader = await q.get_leader(group)
+    _expect(
+        leader is not None and leader.participant_id == "p2",
+        f"the expired holder's release removed the new leader: {leader!r}",
+    )
+    await q.release(group, "p2", taken.token)
+
+
+async def check_tokens_strictly_increase(ctx: _Ctx) -> None:
+    p = await ctx.provider()
+    group = ctx.group()
+    tokens: list[int] = []
+    for participant in ["p1", "p1", "p2", "p1"]:  # re-acquire by the same participant too
+        info = await p.try_acquire(group, participant, ctx.lease * 4, {})
+        assert info is not None, f"try_acquire by {participant} failed on a released group"
+        tokens.append(info.token)
+        await p.release(group, participant, info.token)
+    info = await p.try_acquire(group, "p3", ctx.lease, {})
+    assert info is not None
+    tokens.append(info.token)
+
+    async def free() -> bool:
+        return await p.get_leader(group) is None
+
+    await _wait_for("the lease to expire", free, ctx.lease * 3 + 5)
+    info = await p.try_acquire(group, "p3", ctx.lease * 4, {})
+    assert info is not None, "re-acquire after expiry failed"
+    tokens.append(info.token)
+    await p.release(group, "p3", info.token)
+    _expect(
+        all(a < b for a, b in itertools.pairwise(tokens)),
+        f"tokens did not strictly increase: {tokens}",
+    )
+
+
+async def check_metadata_round_trip_and_limits(ctx: _Ctx) -> None:
+    p = await ctx.provider()
+    group = ctx.group()
+    meta = {"host": "web-1", "unicode": "ünïcødé ✓", "empty": "", "long": "x" * 4000}
+    info = await p.try_acquire(group, "p1", ctx.lease * 4, meta)
+    assert info is not None, "try_acquire on a free group failed"
+    _expect(dict(info.metadata) == meta, f"try_acquire returned metadata {info.metadata!r}")
+    leader = await p.get_leader(group)
+    _expect(leader is not None and dict(leader.metadata) == meta, "metadata did not round trip")
+    _expect(await p.renew(group, "p1", info.token, ctx.lease * 4, {"v": "2"}), "renew failed")
+    leader = await p.get_leader(group)
+    _expect(
+        leader is not None and dict(leader.metadata) == {"v": "2"},
+        f"renew did not update metadata: {leader!r}",
+    )
+    await p.release(group, "p1", info.token)
+    fresh = ctx.group()
+    too_many = {f"k{i}": "v" for i in range(101)}
+    bad: list[Mapping[str, str]] = [too_many, {"k": "x" * 4001}, {"": "v"}, {"k" * 256: "v"}]
+    for metadata in bad:
+        try:
+            await p.try_acquire(fresh, "p1", ctx.lease, metadata)
+        except ConfigurationError:
+            continue
+        raise AssertionError(f"metadata over the limits was accepted: {len(metadata)} entries")
+    _expect(await p.get_leader(fresh) is None, "rejected metadata left a record behind")
+
+
+async def check_cancelled_acquire_leaves_store_consistent(ctx: _Ctx) -> None:
+    p, q = await ctx.provider(), await ctx.provider()
+    for delay in [0.0, 0.001, 0.005, 0.02]:
+        group = ctx.group()
+        task = asyncio.ensure_future(p.try_acquire(group, "p1", ctx.lease * 4, {}))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        leader = await q.get_leader(group)
+        _expect(
+            leader is None or leader.participant_id == "p1",
+            f"a cancelled acquire left a foreign record: {leader!r}",
+        )
+        if leader is not None:
+            # It went through before the cancel: the holder can still find and end it.
+            again = await p.try_acquire(group, "p1", ctx.lease * 4, {})
+            _expect(again is not None and again.token == leader.token, "term not recognised")
+            await p.release(group, "p1", leader.token)
+        taken = await q.try_acquire(group, "p2", ctx.lease * 4, {})
+        _expect(taken is not None, "after a cancelled acquire the group could not be taken")
+        assert taken is not None
+        await q.release(group, "p2", taken.token)
+
+
+async def check_watch_wakes_on_release(ctx: _Ctx) -> None:
+    p, q = await ctx.provider(), await ctx.provider()
+    group = ctx.group()
+    watch = q.watch(group)
+    if watch is None:
+        return  # a polling backend: nothing to check
+    info = await p.try_acquire(group, "p1", ctx.lease * 20, {})
+    assert info is not None, "try_acquire on a free group failed"
+    woke = asyncio.Event()
+
+    async def follow() -> None:
+        async for _ in watch:
+            if await q.get_leader(group) is None:
+                woke.set()
+                return
+
+    follower = asyncio.ensure_future(follow())
+    try:
+        await asyncio.sleep(ctx.lease * 0.2)  # let the watch subscribe
+        await p.release(group, "p1", info.token)
+        try:
+            async with asyncio.timeout(max(2.0, ctx.lease)):
+                await woke.wait()
+        except TimeoutError:
+            raise AssertionError("watch did not wake the follower after a release") from None
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        aclose = getattr(watch, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def check_aclose_is_idempotent(ctx: _Ctx) -> None:
+    made = ctx.factory()
+    p = await made if inspect.isawaitable(made) else made
+    await p.aclose()
+    await p.aclose()
+
+
+PROVIDER_CHECKS: dict[str, Callable[[_Ctx], Awaitable[None]]] = {
+    fn.__name__.removeprefix("check_"): fn
+    for fn in [
+        check_invalid_names_rejected,
+        check_one_winner_among_concurrent,
+        check_acquire_is_idempotent_for_holder,
+        check_renew_extends,
+        check_renew_requires_owner_and_token,
+        check_release_frees_at_once,
+        check_release_by_non_owner_is_noop,
+        check_expiry_frees_the_group,
+        check_tokens_strictly_increase,
+        check_metadata_round_trip_and_limits,
+        check_cancelled_acquire_leaves_store_consistent,
+        check_watch_wakes_on_release,
+        check_aclose_is_idempotent,
+    ]
+}
+
+
+async def check_provider(
+    factory: ProviderFactory,
+    *,
+    lease_duration: float = 1.0,
+    only: str | None = None,
+) -> None:
+    """Run the provider contract; raise `AssertionError` naming the first broken rule.
+
+    *factory* makes a new provider connected to the store under test (sync or async); the
+    checks close what they made. *lease_duration* is the short lease the expiry checks
+    use, in seconds; use the backend's minimum if it has one. *only* runs one check by
+    name (see `PROVIDER_CHECKS`), handy for ``pytest.mark.parametrize``.
+    """
+    names = [only] if only is not None else list(PROVIDER_CHECKS)
+    for name in names:
+        if name not in PROVIDER_CHECKS:
+            raise ValueError(f"unknown check {name!r}; known: {', '.join(PROVIDER_CHECKS)}")
+        ctx = _Ctx(factory=factory, lease=lease_duration)
+        try:
+            await PROVIDER_CHECKS[name](ctx)
+        except AssertionError as exc:
+            raise AssertionError(f"provider contract {name!r} failed: {exc}") from exc
+        finally:
+            await ctx.close()
