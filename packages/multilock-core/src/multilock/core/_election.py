@@ -208,9 +208,11 @@ class LeaderElection:
         Idempotent. The provider stays open.
         """
         if self._lifecycle is None:
+            self._hub.end_all()
             return
         async with self._lifecycle:
             if self._state in (ElectionState.IDLE, ElectionState.STOPPED):
+                self._hub.end_all()
                 return
             self._transition(ElectionState.STOPPING)
             await _cancel_and_wait(self._task, self._watch_task)
@@ -304,7 +306,6 @@ class LeaderElection:
         if leadership is None or self._state is not ElectionState.LEADING:
             return
         self._end_term(leadership, "resigned", emit=False)
-        self._holdoff_until = self._clock() + self._options.retry_interval
         self._interrupt.set()
         await self._wait_term_tasks(leadership)
         await self._release(leadership.token)
@@ -403,6 +404,10 @@ class LeaderElection:
         leadership.lost.set()
         self._leadership = None
         self._lost_token = leadership.token
+        # Whatever ended the term (a broken connection, a refused renew, resign), give the
+        # other candidates the first try: otherwise a participant whose renews fail but
+        # whose acquires succeed would take every term back at once.
+        self._holdoff_until = self._clock() + self._options.retry_interval
         self._leader_time += self._clock() - self._term_started
         for task in list(self._term_tasks):
             task.cancel()
@@ -471,13 +476,13 @@ class LeaderElection:
         try:
             async with asyncio.timeout(self._usable_lease):
                 leader = await provider.get_leader(group)
-                if leader is not None and leader.participant_id == me:
-                    if leader.token == self._lost_token:
-                        # A term we already gave up is still on the store: end it, so the
-                        # next term gets a fresh token instead of silently resuming.
-                        await provider.release(group, me, leader.token)
-                        leader = None
-                elif leader is not None:
+                # A term we already gave up may still be on the store until it expires:
+                # treat it as foreign, never resume it (its work was cancelled; a new term
+                # must get a new token). Our own live term from an acquire whose reply was
+                # lost is picked up again by try_acquire below.
+                if leader is not None and (
+                    leader.participant_id != me or leader.token == self._lost_token
+                ):
                     self._observe(leader)
                     return None
                 sent = self._clock()

@@ -73,6 +73,8 @@ def redact_url(url: str) -> str:
                 [(k, _REDACTED if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs],
                 safe="*",
             )
+        if netloc == parts.netloc and query == parts.query:
+            return url
         return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
     except ValueError:
         return "<unparseable URL>"

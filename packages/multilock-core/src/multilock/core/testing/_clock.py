@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -21,13 +22,13 @@ class _JumpingSelector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready: list[tuple[selectors.SelectorKey, int]] = super().select(0)
-        if ready or timeout == 0:
+        if ready:
             return ready
         if timeout is None:
             # Nothing is scheduled: only another thread can wake the loop. Wait for it.
             result: list[tuple[selectors.SelectorKey, int]] = super().select(None)
             return result
-        if self._fake.real_grace:
+        if self._fake.real_grace and timeout > 0:
             ready = super().select(min(timeout, self._fake.real_grace))
             if ready:
                 return ready
@@ -39,6 +40,9 @@ class _VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, clock: FakeClock) -> None:
         super().__init__(selector=_JumpingSelector(clock))
         self._fake = clock
+        # A real loop runs timers up to the clock's resolution early; with a clock that
+        # only moves when told, that would re-run a "just not yet" timer forever.
+        self._clock_resolution = 0.0
 
     def time(self) -> float:
         return self._fake.now
@@ -68,7 +72,9 @@ class FakeClock:
         """Move the clock forward by *seconds* (never backwards)."""
         if seconds < 0:
             raise ValueError("a monotonic clock cannot go backwards")
-        self.now += seconds
+        # Always move by at least one representable step, so a timer due a rounding
+        # error from now is reached instead of waited for forever.
+        self.now = max(self.now + seconds, math.nextafter(self.now, math.inf))
 
     def new_event_loop(self) -> asyncio.AbstractEventLoop:
         """Return an event loop whose time is this clock (pass as a ``loop_factory``)."""

@@ -99,10 +99,13 @@ class Cluster:
         """The member whose latest term has not ended, per the logs (and is alive)."""
         terms: dict[str, int | None] = {}
         for record in self.records():
+            who = record["participant"]
             if record["event"] == "acquired":
-                terms[record["participant"]] = int(record["token"])
+                # A term begun before a SIGKILL of its process ended with that kill.
+                killed = any(k >= float(record["t"]) for k in self.kills.get(who, ()))
+                terms[who] = None if killed else int(record["token"])
             elif record["event"] in ("lost", "stopped"):
-                terms[record["participant"]] = None
+                terms[who] = None
         for member in self.members:
             token = terms.get(member.name)
             if token is not None and member.alive and not member.frozen:

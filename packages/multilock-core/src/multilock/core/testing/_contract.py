@@ -1,9 +1,10 @@
 """`check_provider`: the contract every provider passes, written once, run for every backend.
 
 Each check uses its own freshly made group name, so the checks can run against a shared,
-long-lived server. Time passes for real here (these run against real stores): checks that
-need a lease to expire use ``lease_duration`` seconds and wait on conditions with
-deadlines, never on a sleep that merely hopes.
+long-lived server. Time is the running event loop's clock: real time against real stores,
+virtual time when run under `FakeClock` with an `InMemoryProvider` on the same clock.
+Checks that need a lease to expire use ``lease_duration`` seconds and wait on conditions
+with deadlines, never on a sleep that merely hopes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import asyncio
 import contextlib
 import inspect
 import itertools
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -47,15 +47,20 @@ class _Ctx:
             await provider.aclose()
 
 
+def _now() -> float:
+    """The running loop's clock: real time normally, virtual time under `FakeClock`."""
+    return asyncio.get_running_loop().time()
+
+
 async def _wait_for(
     what: str, predicate: Callable[[], Awaitable[bool]], within: float, step: float = 0.05
 ) -> float:
     """Poll *predicate* until true; return seconds waited; fail after *within* seconds."""
-    start = time.monotonic()
+    start = _now()
     while True:
         if await predicate():
-            return time.monotonic() - start
-        if time.monotonic() - start > within:
+            return _now() - start
+        if _now() - start > within:
             raise AssertionError(f"timed out after {within:.1f} s waiting for {what}")
         await asyncio.sleep(step)
 
@@ -127,7 +132,7 @@ async def check_renew_extends(ctx: _Ctx) -> None:
     group = ctx.group()
     info = await p.try_acquire(group, "p1", ctx.lease, {})
     assert info is not None, "try_acquire on a free group failed"
-    started = time.monotonic()
+    started = _now()
     for _ in range(3):
         await asyncio.sleep(ctx.lease * 0.5)
         _expect(
@@ -135,7 +140,7 @@ async def check_renew_extends(ctx: _Ctx) -> None:
             "renew by the holder failed",
         )
     # 1.5 leases have passed: without the renewals the lease would be gone.
-    _expect(time.monotonic() - started >= ctx.lease * 1.5, "the clock did not move")
+    _expect(_now() - started >= ctx.lease * 1.5, "the clock did not move")
     leader = await p.get_leader(group)
     _expect(
         leader is not None and leader.token == info.token,
@@ -198,7 +203,7 @@ async def check_release_by_non_owner_is_noop(ctx: _Ctx) -> None:
 async def check_expiry_frees_the_group(ctx: _Ctx) -> None:
     p, q = await ctx.provider(), await ctx.provider()
     group = ctx.group()
-    started = time.monotonic()
+    started = _now()
     info = await p.try_acquire(group, "p1", ctx.lease, {})
     assert info is not None, "try_acquire on a free group failed"
     _expect(await q.try_acquire(group, "p2", ctx.lease, {}) is None, "a live lease was taken")
@@ -207,7 +212,7 @@ async def check_expiry_frees_the_group(ctx: _Ctx) -> None:
         return await q.get_leader(group) is None
 
     await _wait_for("get_leader to report nobody after expiry", nobody, ctx.lease * 3 + 5)
-    elapsed = time.monotonic() - started
+    elapsed = _now() - started
     _expect(
         elapsed >= ctx.lease * 0.9,
         f"the lease vanished after {elapsed:.3f} s, before lease_duration={ctx.lease}",

@@ -1,0 +1,81 @@
+import pytest
+
+from multilock.core import (
+    ConfigurationError,
+    InMemoryProvider,
+    available_schemes,
+    from_url,
+    redact_url,
+)
+from multilock.core import _url as url_module
+
+
+def test_memory_is_built_in():
+    assert "memory" in available_schemes()
+    assert isinstance(from_url("memory://"), InMemoryProvider)
+
+
+async def test_named_memory_stores_are_shared_and_private_ones_are_not():
+    a, b = from_url("memory://shared-1"), from_url("memory://shared-1")
+    info = await a.try_acquire("g", "p1", 5, {})
+    assert info is not None
+    assert await b.get_leader("g") == info
+    assert await from_url("memory://").get_leader("g") is None
+    assert await from_url("memory://shared-2").get_leader("g") is None
+
+
+@pytest.mark.parametrize("url", ["memory://a/b", "memory://x?y=1", "memory://bad name"])
+def test_bad_memory_urls(url):
+    with pytest.raises(ConfigurationError):
+        from_url(url)
+
+
+def test_unknown_scheme_lists_installed_schemes_and_hints_the_package():
+    with pytest.raises(ConfigurationError) as info:
+        from_url("consul://user:hunter2@host:8500")
+    text = str(info.value)
+    assert "'consul'" in text
+    assert "pip install multilock-consul" in text
+    assert "memory" in text
+    assert "hunter2" not in text
+
+
+def test_no_scheme_is_an_error_without_the_password():
+    with pytest.raises(ConfigurationError, match="has no scheme") as info:
+        from_url("127.0.0.1:6379")
+    assert "installed schemes" in str(info.value)
+
+
+def test_non_string_url():
+    with pytest.raises(ConfigurationError, match="url must be a str"):
+        from_url(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://:s3cret@h:6379/0", "redis://:***@h:6379/0"),
+        ("postgresql://u:p%40ss@h/db", "postgresql://u:***@h/db"),
+        ("redis://u@h", "redis://u@h"),
+        ("s3://h/b?secret_key=abc&region=x", "s3://h/b?secret_key=***&region=x"),
+        ("x://h?AccountKey=abc&sig=zz", "x://h?AccountKey=***&sig=***"),
+        ("memory://", "memory://"),
+    ],
+)
+def test_redact_url(url, expected):
+    assert redact_url(url) == expected
+
+
+def test_driver_errors_are_scrubbed(monkeypatch):
+    class Leaky(InMemoryProvider):
+        @classmethod
+        def from_url(cls, url, **kwargs):
+            raise ValueError(f"cannot parse {url}")
+
+    monkeypatch.setattr(url_module, "_entry_points", lambda: {"leaky": "leaky"})
+    monkeypatch.setattr(url_module, "_load", lambda target: Leaky)
+    with pytest.raises(ConfigurationError) as info:
+        from_url("leaky://admin:topsecret@host?token=tok123")
+    assert "topsecret" not in str(info.value)
+    assert "tok123" not in str(info.value)
+    assert "***" in str(info.value)
