@@ -1,0 +1,415 @@
+"""FileSystemProvider: the provider contract, and what is specific to lease files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import filelock
+import pytest
+
+from multilock.core import ConfigurationError, ProviderError, from_url
+from multilock.core.testing import PROVIDER_CHECKS, check_provider
+from multilock.filesystem import FileSystemProvider, _record
+
+LEASE = 5.0
+
+
+@pytest.mark.parametrize("check", list(PROVIDER_CHECKS))
+async def test_contract(tmp_path: Path, check: str) -> None:
+    await check_provider(lambda: FileSystemProvider(tmp_path), lease_duration=0.5, only=check)
+
+
+def record_path(provider: FileSystemProvider, group: str) -> Path:
+    return provider._paths(group).record
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(path.read_bytes())
+    return data
+
+
+async def wait_until(predicate: Any, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# Files and names.
+
+
+def test_directory_is_created_and_shown_in_repr(tmp_path: Path) -> None:
+    target = tmp_path / "a" / "b"
+    provider = FileSystemProvider(target)
+    assert target.is_dir()
+    assert provider.directory == target
+    assert repr(provider) == f"<FileSystemProvider directory={str(target)!r}>"
+
+
+def test_relative_directory_is_made_absolute(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    provider = FileSystemProvider("leases")
+    assert provider.directory == tmp_path / "leases"
+    assert provider.directory.is_absolute()
+
+
+def test_directory_that_is_a_file_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigurationError, match="lease directory"):
+        FileSystemProvider(tmp_path / "file")
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"/tmp/x", ""])
+def test_directory_must_be_a_path(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="directory"):
+        FileSystemProvider(bad)
+
+
+@pytest.mark.parametrize("option", ["poll_interval", "lock_timeout"])
+@pytest.mark.parametrize("value", [0, -1, float("nan"), "1"])
+def test_bad_durations_rejected(tmp_path: Path, option: str, value: Any) -> None:
+    with pytest.raises(ConfigurationError, match=option):
+        FileSystemProvider(tmp_path, **{option: value})
+
+
+async def test_group_names_map_to_distinct_safe_files(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path)
+    # Case-insensitive file systems would merge "Jobs" and "jobs"; long names would
+    # overflow NAME_MAX; "con" is a Windows device; ".." must stay inside the directory.
+    groups = ["jobs", "Jobs", "JOBS", "x" * 255, "x" * 254 + "y", "con", "..", "."]
+    for i, group in enumerate(groups):
+        info = await provider.try_acquire(group, f"p{i}", LEASE, {})
+        assert info is not None, group
+        assert info.token == 1
+    paths = {record_path(provider, g) for g in groups}
+    assert len(paths) == len(groups)
+    assert len({p.name.lower() for p in paths}) == len(groups)  # distinct ignoring case
+    for group in groups:
+        path = record_path(provider, group)
+        assert path.parent == tmp_path
+        assert len(path.name) + len(".tmp") <= 255
+        assert read_json(path)["group"] == group
+    for i, group in enumerate(groups):
+        leader = await provider.get_leader(group)
+        assert leader is not None
+        assert leader.participant_id == f"p{i}"
+
+
+def test_invalid_group_rejected_by_watch(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path)
+    for bad in ["a/b", "..\\x", "", "a b"]:
+        with pytest.raises(ConfigurationError):
+            provider.watch(bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+# Records.
+
+
+CORRUPT = {
+    "empty": b"",
+    "truncated": b'{"format": 1, "group": "g", "token": 3, "hol',
+    "not json": b"\x00\x01garbage",
+    "not an object": b"[1, 2]",
+    "unknown format": b'{"format": 99, "group": "g", "token": 3, "holder": null}',
+    "other group": b'{"format": 1, "group": "h", "token": 3, "holder": null}',
+    "bad token": b'{"format": 1, "group": "g", "token": "3", "holder": null}',
+    "negative token": b'{"format": 1, "group": "g", "token": -1, "holder": null}',
+    "missing fields": b'{"format": 1, "group": "g", "token": 3, "holder": "p1"}',
+    "bad holder": b'{"format": 1, "group": "g", "token": 3, "holder": "a/b", "metadata": {},'
+    b' "acquired_at": "2025-01-01T00:00:00+00:00", "expires_at": 1e12, "boot_id": null,'
+    b' "boot_time": 0}',
+}
+
+
+@pytest.mark.parametrize("content", list(CORRUPT.values()), ids=list(CORRUPT))
+async def test_corrupt_record_raises_and_is_left_untouched(tmp_path: Path, content: bytes) -> None:
+    provider = FileSystemProvider(tmp_path, poll_interval=0.01)
+    path = record_path(provider, "g")
+    path.write_bytes(content)
+    before = os.stat(path)
+    calls = [
+        provider.try_acquire("g", "p1", LEASE, {}),
+        provider.renew("g", "p1", 3, LEASE, {}),
+        provider.release("g", "p1", 3),
+        provider.get_leader("g"),
+        anext(provider.watch("g")),
+    ]
+    for call in calls:
+        with pytest.raises(ProviderError, match="corrupt lease record") as caught:
+            await call
+        assert caught.value.__cause__ is not None
+    after = os.stat(path)
+    assert path.read_bytes() == content
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
+async def test_half_written_temp_file_is_ignored(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path)
+    info = await provider.try_acquire("g", "p1", LEASE, {"k": "v"})
+    assert info is not None
+    temp = provider._paths("g").temp
+    assert temp.name == "g.lease.json.tmp"
+    assert not temp.exists()  # renamed over the record
+    # A writer killed mid-write leaves a torn temp file behind.
+    temp.write_bytes(b'{"format": 1, "group": "g", "token": 99, "hold')
+    leader = await provider.get_leader("g")
+    assert leader == info
+    assert await provider.renew("g", "p1", info.token, LEASE, {"k": "w"})
+    assert not temp.exists()  # the next write truncated and reused it
+    assert read_json(record_path(provider, "g"))["token"] == info.token
+    await provider.release("g", "p1", info.token)
+    again = await provider.try_acquire("g", "p2", LEASE, {})
+    assert again is not None
+    assert again.token == info.token + 1
+
+
+async def test_token_survives_release_and_a_new_provider(tmp_path: Path) -> None:
+    first = FileSystemProvider(tmp_path)
+    info = await first.try_acquire("g", "p1", LEASE, {})
+    assert info is not None
+    await first.release("g", "p1", info.token)
+    record = read_json(record_path(first, "g"))
+    assert record == {"format": 1, "group": "g", "token": info.token, "holder": None}
+    await first.aclose()
+
+    second = FileSystemProvider(tmp_path)
+    assert await second.get_leader("g") is None
+    taken = await second.try_acquire("g", "p1", LEASE, {})
+    assert taken is not None
+    assert taken.token == info.token + 1
+
+
+async def test_acquire_is_stamped_with_this_boot(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path)
+    await provider.try_acquire("g", "p1", LEASE, {})
+    record = read_json(record_path(provider, "g"))
+    assert record["boot_id"] == _record.BOOT_ID
+    if sys.platform == "linux":
+        assert record["boot_id"] == linux_boot_id()
+    assert abs(record["boot_time"] - (time.time() - time.monotonic())) < 1
+    assert 0 < record["expires_at"] - time.monotonic() <= LEASE
+
+
+def linux_boot_id() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def rewrite(path: Path, **changes: Any) -> None:
+    record = read_json(path)
+    record.update(changes)
+    path.write_text(json.dumps(record))
+
+
+async def test_record_from_another_boot_id_has_expired(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path)
+    info = await provider.try_acquire("g", "p1", 3600, {})
+    assert info is not None
+    assert await provider.try_acquire("g", "p2", LEASE, {}) is None
+    if _record.BOOT_ID is None:
+        pytest.skip("this kernel gives no boot id")
+    rewrite(record_path(provider, "g"), boot_id=str(uuid.uuid4()))
+    assert await provider.get_leader("g") is None
+    assert not await provider.renew("g", "p1", info.token, LEASE, {})
+    taken = await provider.try_acquire("g", "p2", LEASE, {})
+    assert taken is not None
+    assert taken.token == info.token + 1
+
+
+async def test_without_boot_id_the_boot_time_estimate_decides(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(_record, "BOOT_ID", None)
+    provider = FileSystemProvider(tmp_path)
+    info = await provider.try_acquire("g", "p1", 3600, {})
+    assert info is not None
+    path = record_path(provider, "g")
+    assert read_json(path)["boot_id"] is None
+    # Within the tolerance (clock slew, rounding): the same boot, still held.
+    rewrite(path, boot_time=read_json(path)["boot_time"] + 60)
+    assert await provider.get_leader("g") == info
+    # A boot long before: the monotonic clock restarted since, the lease is void.
+    rewrite(path, boot_time=read_json(path)["boot_time"] - 86_400)
+    assert await provider.get_leader("g") is None
+    taken = await provider.try_acquire("g", "p2", LEASE, {})
+    assert taken is not None
+    assert taken.token == info.token + 1
+
+
+# The lock.
+
+
+async def test_lock_held_elsewhere_times_out_as_provider_error(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path, lock_timeout=0.3)
+    lock_path = provider._paths("g").lock
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import sys, time, filelock\n"
+        "with filelock.FileLock(sys.argv[1]):\n"
+        "    print('locked', flush=True)\n"
+        "    time.sleep(120)\n",
+        str(lock_path),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None
+        async with asyncio.timeout(30):
+            assert await holder.stdout.readline() == b"locked\n"
+        started = time.monotonic()
+        with pytest.raises(ProviderError, match="timed out") as caught:
+            await provider.try_acquire("g", "p1", LEASE, {})
+        assert isinstance(caught.value.__cause__, filelock.Timeout)
+        assert 0.25 <= time.monotonic() - started < 3
+        with pytest.raises(ProviderError, match="timed out"):
+            await provider.get_leader("g")
+    finally:
+        holder.kill()
+        await holder.wait()
+    # The holder died: the kernel dropped its lock.
+    assert await provider.try_acquire("g", "p1", LEASE, {}) is not None
+
+
+async def test_lock_held_by_another_thread_times_out(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path, lock_timeout=0.2)
+    # thread_local=False: to_thread may release on another worker thread than it acquired.
+    lock = filelock.FileLock(provider._paths("g").lock, thread_local=False)
+    await asyncio.to_thread(lock.acquire)
+    try:
+        with pytest.raises(ProviderError, match="timed out"):
+            await provider.release("g", "p1", 1)
+    finally:
+        await asyncio.to_thread(lock.release)
+    assert await provider.get_leader("g") is None
+
+
+# The polling watch.
+
+
+async def test_watch_sleeps_through_renewals_and_wakes_at_expiry(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    reads = 0
+    original = FileSystemProvider._read
+
+    def counting_read(path: Path, group: str) -> Any:
+        nonlocal reads
+        reads += 1
+        return original(path, group)
+
+    monkeypatch.setattr(FileSystemProvider, "_read", staticmethod(counting_read))
+    leader = FileSystemProvider(tmp_path)
+    follower = FileSystemProvider(tmp_path, poll_interval=0.02)
+    info = await leader.try_acquire("g", "p1", 0.6, {})
+    assert info is not None
+    woke: list[float] = []
+    watch = follower.watch("g")
+    assert isinstance(watch, AsyncIterator)
+
+    async def follow() -> None:
+        async for _ in watch:
+            woke.append(time.monotonic())
+
+    task = asyncio.ensure_future(follow())
+    try:
+        await wait_until(lambda: reads >= 2, 2, "the watch's first read")
+        idle_reads = reads
+        await asyncio.sleep(0.2)  # 10 polls of an unchanged file: stat only, no read
+        assert reads == idle_reads
+        for _ in range(3):
+            assert await leader.renew("g", "p1", info.token, 0.6, {})
+            await asyncio.sleep(0.15)
+        assert woke == []  # renewals change no term
+        expires = read_json(record_path(leader, "g"))["expires_at"]
+        await wait_until(lambda: woke, 2, "the watch to wake at expiry")
+        assert expires <= woke[0] < expires + 0.25
+        assert await follower.get_leader("g") is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watch.aclose()
+
+
+async def test_watch_wakes_on_acquire_and_release(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path, poll_interval=0.02)
+    watch = provider.watch("g")
+    woke = asyncio.Event()
+
+    async def follow() -> None:
+        async for _ in watch:
+            woke.set()
+
+    task = asyncio.ensure_future(follow())
+    try:
+        await asyncio.sleep(0.05)
+        info = await provider.try_acquire("g", "p1", LEASE, {})
+        assert info is not None
+        async with asyncio.timeout(2):
+            await woke.wait()
+        woke.clear()
+        await provider.release("g", "p1", info.token)
+        async with asyncio.timeout(2):
+            await woke.wait()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+# URLs.
+
+
+def test_from_url_absolute_path(tmp_path: Path) -> None:
+    provider = from_url(f"file://{tmp_path}/leases")
+    assert isinstance(provider, FileSystemProvider)
+    assert provider.directory == tmp_path / "leases"
+    assert (tmp_path / "leases").is_dir()
+    local = from_url(f"file://localhost{tmp_path}")
+    assert isinstance(local, FileSystemProvider)
+    assert local.directory == tmp_path
+
+
+def test_from_url_options(tmp_path: Path) -> None:
+    provider = from_url(f"file://{tmp_path}?poll_interval=0.1&lock_timeout=2")
+    assert isinstance(provider, FileSystemProvider)
+    assert provider._poll_interval == 0.1
+    assert provider._lock_timeout == 2.0
+    keyword = from_url(f"file://{tmp_path}", poll_interval=0.25)
+    assert isinstance(keyword, FileSystemProvider)
+    assert keyword._poll_interval == 0.25
+
+
+def test_from_url_percent_encoding(tmp_path: Path) -> None:
+    provider = from_url(f"file://{tmp_path}/with%20space")
+    assert isinstance(provider, FileSystemProvider)
+    assert provider.directory == tmp_path / "with space"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("file://relative/dir", "three slashes"),
+        ("file://./leases", "three slashes"),
+        ("file:relative/dir", "absolute"),
+        ("file://", "absolute"),
+        ("file:///tmp/x?color=blue", "unknown option"),
+        ("file:///tmp/x?poll_interval=soon", "poll_interval"),
+        ("file:///tmp/x?poll_interval=0", "poll_interval"),
+    ],
+)
+def test_from_url_rejects(url: str, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        from_url(url)
+
+
+def test_from_url_rejects_an_option_given_twice() -> None:
+    with pytest.raises(ConfigurationError, match="both"):
+        from_url("file:///tmp/x?lock_timeout=1", lock_timeout=2)
