@@ -1,0 +1,443 @@
+"""RedisProvider and RedlockProvider against real redis-server processes.
+
+`test_contract.py` runs the provider contract on both through their URLs; here it runs on
+the other ways to build them (a caller's client, a list of node URLs, Sentinel, Redlock
+with a node down), and on what only Redis has: restarts, frozen and dead servers, token
+seeding, pub/sub and expiry wake-ups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from harness import BaseServer, Server, require_control
+from multilock.core import ProviderError
+from multilock.core.testing import PROVIDER_CHECKS, check_provider
+from multilock.redis import RedisProvider, RedlockProvider
+
+LEASE = 1.0
+CHECKS = list(PROVIDER_CHECKS)
+
+
+def group() -> str:
+    return f"redis-{uuid.uuid4().hex[:12]}"
+
+
+async def wait_for(what: str, predicate: Callable[[], Awaitable[bool]], within: float) -> None:
+    deadline = time.monotonic() + within
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.contextmanager
+def frozen(server: BaseServer) -> Iterator[None]:
+    """SIGSTOP the server: it keeps its connections but never answers (a hang)."""
+    require_control(server)
+    pid = server.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def stopped(*servers: BaseServer) -> Iterator[None]:
+    for server in servers:
+        require_control(server)
+        server.stop()
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.start()
+
+
+async def next_wake(watch: AsyncIterator[None], within: float) -> float:
+    started = time.monotonic()
+    async with asyncio.timeout(within):
+        await anext(watch)
+    return time.monotonic() - started
+
+
+# -- the contract, built the other ways --------------------------------------------------
+
+
+@pytest.mark.parametrize("check", CHECKS)
+async def test_contract_redis_on_a_callers_client(redis_server: BaseServer, check: str) -> None:
+    clients: list[Redis] = []
+
+    def make() -> RedisProvider:
+        clients.append(Redis.from_url(redis_server.url))
+        return RedisProvider(clients[-1], key_prefix="client-test:")
+
+    try:
+        await check_provider(make, lease_duration=LEASE, only=check)
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+@pytest.mark.parametrize("check", CHECKS)
+async def test_contract_redlock_on_a_list_of_urls(
+    redis_servers: list[BaseServer], check: str
+) -> None:
+    urls = [server.url for server in redis_servers]
+    await check_provider(lambda: RedlockProvider(urls), lease_duration=LEASE, only=check)
+
+
+@pytest.fixture(scope="class")
+def first_node_stopped(redis_servers: list[BaseServer]) -> Iterator[list[BaseServer]]:
+    """The Redlock servers with the first one (the one asked first) stopped."""
+    with stopped(redis_servers[0]):
+        yield redis_servers
+
+
+class TestRedlockWithTheFirstNodeStopped:
+    """One of three servers down: every rule of the contract still holds."""
+
+    @pytest.mark.parametrize("check", CHECKS)
+    async def test_contract(self, first_node_stopped: list[BaseServer], check: str) -> None:
+        urls = [server.url for server in first_node_stopped]
+        await check_provider(lambda: RedlockProvider(urls), lease_duration=LEASE, only=check)
+
+
+@pytest.fixture(scope="module")
+def sentinel(redis_server: BaseServer) -> Iterator[BaseServer]:
+    """A Redis Sentinel watching ``redis_server`` as ``mymaster``."""
+    binary = getattr(redis_server, "binary", None)  # the harness's RedisServer has one
+    if binary is None or redis_server.pid is None:
+        pytest.skip("a Sentinel needs a local redis-server binary and a local master")
+
+    class Sentinel(Server):
+        kind = "redis-sentinel"
+
+        def prepare(self) -> None:
+            (self.dir / "sentinel.conf").write_text(
+                f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor mymaster {redis_server.host} {redis_server.port} 1\n"
+            )
+
+        def command(self) -> list[str]:
+            return [str(binary), str(self.dir / "sentinel.conf"), "--sentinel"]
+
+        @property
+        def url(self) -> str:
+            return f"redis+sentinel://127.0.0.1:{self.port}/mymaster/0"
+
+        def probe(self) -> None:
+            import redis
+
+            client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
+            try:
+                assert client.sentinel_master("mymaster")["port"] == redis_server.port
+            finally:
+                client.close()
+
+    server = Sentinel()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("check", CHECKS)
+async def test_contract_through_sentinel(sentinel: BaseServer, check: str) -> None:
+    await check_provider(lambda: RedisProvider(sentinel.url), lease_duration=LEASE, only=check)
+
+
+# -- fixtures for the rest: both providers, fresh each test ---------------------------------
+
+
+@pytest.fixture(params=["redis", "redlock"])
+async def provider(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[RedisProvider | RedlockProvider]:
+    if request.param == "redis":
+        made: RedisProvider | RedlockProvider = RedisProvider(
+            request.getfixturevalue("redis_server").url
+        )
+    else:
+        made = RedlockProvider([s.url for s in request.getfixturevalue("redis_servers")])
+    async with made:
+        yield made
+
+
+def servers_of(request: pytest.FixtureRequest, provider: object) -> list[BaseServer]:
+    if isinstance(provider, RedlockProvider):
+        servers: list[BaseServer] = request.getfixturevalue("redis_servers")
+        return servers
+    return [request.getfixturevalue("redis_server")]
+
+
+# -- Redlock: majority and bounded rounds ---------------------------------------------------
+
+
+async def test_redlock_is_refused_with_two_of_three_down(redis_servers: list[BaseServer]) -> None:
+    async with RedlockProvider([s.url for s in redis_servers]) as p:
+        g = group()
+        held = await p.try_acquire(g, "p1", 30.0, {})
+        assert held is not None
+        with stopped(*redis_servers[:2]):
+            for call in [
+                lambda: p.try_acquire(group(), "p2", LEASE, {}),
+                lambda: p.renew(g, "p1", held.token, 30.0, {}),
+                lambda: p.get_leader(g),
+            ]:
+                started = time.monotonic()
+                with pytest.raises(ProviderError, match="redlock"):
+                    await call()
+                assert time.monotonic() - started < 2.0
+        # The surviving node kept the lease, but one node is not a majority: after the
+        # restart (which forgot the other two), nobody holds the group.
+        assert await p.get_leader(g) is None
+        taken = await p.try_acquire(g, "p2", LEASE, {})
+        assert taken is not None
+        assert taken.token > held.token
+        await p.release(g, "p2", taken.token)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+async def test_redlock_round_with_a_frozen_node_stays_within_the_lease(
+    redis_servers: list[BaseServer], which: int
+) -> None:
+    async with RedlockProvider([s.url for s in redis_servers]) as p:
+        assert await p.get_leader(group()) is None  # connect to every node first
+        g = group()
+        with frozen(redis_servers[which]):
+            started = time.monotonic()
+            info = await p.try_acquire(g, "p1", 2.0, {})
+            # The frozen node costs one per-node timeout (a fifth of the lease), no more.
+            assert time.monotonic() - started < 2.0 / 5 + 0.3
+            assert info is not None
+            started = time.monotonic()
+            assert await p.renew(g, "p1", info.token, 2.0, {})
+            assert time.monotonic() - started < 2.0 / 5 + 0.3
+            started = time.monotonic()
+            assert await p.get_leader(g) is not None
+            assert time.monotonic() - started < 0.3  # a majority answered: no wait
+            assert await p.try_acquire(g, "p2", 2.0, {}) is None
+        await p.release(g, "p1", info.token)
+
+
+# -- tokens across restarts ------------------------------------------------------------------
+
+
+async def token_key_exists(server: BaseServer, g: str) -> bool:
+    async with Redis.from_url(server.url) as client:
+        return bool(await client.exists(f"multilock:{{{g}}}:token"))
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["no-persistence", "appendonly"])
+async def test_tokens_keep_rising_across_a_restart(
+    request: pytest.FixtureRequest, persistent: bool
+) -> None:
+    server: BaseServer = request.getfixturevalue(
+        "redis_persistent_server" if persistent else "redis_server"
+    )
+    require_control(server)
+    g = group()
+    async with RedisProvider(server.url) as p:
+        tokens = []
+        for participant in ["p1", "p2"]:
+            info = await p.try_acquire(g, participant, 30.0, {})
+            assert info is not None
+            tokens.append(info.token)
+            await p.release(g, participant, info.token)
+        held = await p.try_acquire(g, "p3", 30.0, {})
+        assert held is not None
+        tokens.append(held.token)
+        server.restart()
+        # Without persistence the lease and the counter are gone; with it both are kept.
+        assert await token_key_exists(server, g) is persistent
+        leader = await p.get_leader(g)
+        assert (leader is not None and leader.token == held.token) is persistent
+        if persistent:
+            await p.release(g, "p3", held.token)
+        info = await p.try_acquire(g, "p4", 30.0, {})
+        assert info is not None
+        tokens.append(info.token)
+        await p.release(g, "p4", info.token)
+    assert tokens == sorted(set(tokens)), f"tokens did not strictly rise: {tokens}"
+
+
+@pytest.mark.parametrize("restart", [1, 2, 3])
+async def test_redlock_tokens_keep_rising_when_nodes_restart(
+    redis_servers: list[BaseServer], restart: int
+) -> None:
+    """A minority restarting keeps the counters of a majority; a majority restarting
+    reseeds from the servers' clocks (one machine here, so they agree)."""
+    g = group()
+    async with RedlockProvider([s.url for s in redis_servers]) as p:
+        first = await p.try_acquire(g, "p1", 30.0, {})
+        assert first is not None
+        await p.release(g, "p1", first.token)
+        for server in redis_servers[:restart]:
+            require_control(server).restart()
+        tokens = [first.token]
+        for participant in ["p2", "p3"]:
+            info = await p.try_acquire(g, participant, 30.0, {})
+            assert info is not None
+            tokens.append(info.token)
+            await p.release(g, participant, info.token)
+    assert tokens == sorted(set(tokens)), f"tokens did not strictly rise: {tokens}"
+
+
+# -- watch --------------------------------------------------------------------------------------
+
+
+async def test_watch_wakes_when_the_lease_expires(
+    provider: RedisProvider | RedlockProvider,
+) -> None:
+    g = group()
+    acquired = time.monotonic()
+    assert await provider.try_acquire(g, "p1", LEASE, {}) is not None
+    watch = provider.watch(g)
+    try:
+        while await provider.get_leader(g) is not None:
+            await next_wake(watch, LEASE + 1.0)
+            assert time.monotonic() - acquired < LEASE + 0.5, "woke late"
+        assert time.monotonic() - acquired >= LEASE * 0.9, "the lease ended early"
+    finally:
+        await watch.aclose()  # type: ignore[attr-defined]
+
+
+async def test_watch_wakes_on_a_new_term_and_on_release(
+    provider: RedisProvider | RedlockProvider,
+) -> None:
+    g = group()
+    watch = provider.watch(g)
+    try:
+        wake = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.2)  # let it subscribe
+        assert not wake.done(), "woke with nothing to report"
+        info = await provider.try_acquire(g, "p1", 30.0, {})
+        assert info is not None
+        async with asyncio.timeout(1.0):
+            await wake
+        await provider.release(g, "p1", info.token)
+        released = time.monotonic()
+        while await provider.get_leader(g) is not None:
+            await next_wake(watch, 1.0)
+        assert time.monotonic() - released < 1.0
+    finally:
+        await watch.aclose()  # type: ignore[attr-defined]
+
+
+async def test_closing_the_watch_unsubscribes(
+    request: pytest.FixtureRequest, provider: RedisProvider | RedlockProvider
+) -> None:
+    g = group()
+    channel = f"multilock:{{{g}}}:changed"
+    clients = [Redis.from_url(s.url) for s in servers_of(request, provider)]
+
+    async def subscribers() -> list[int]:
+        return [(await c.pubsub_numsub(channel))[0][1] for c in clients]
+
+    try:
+        watch = provider.watch(g)
+        wake = asyncio.ensure_future(anext(watch))
+
+        async def subscribed() -> bool:
+            return await subscribers() == [1] * len(clients)
+
+        await wait_for("the watch to subscribe", subscribed, 2.0)
+        wake.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await wake
+        await watch.aclose()  # type: ignore[attr-defined]
+
+        async def unsubscribed() -> bool:
+            return await subscribers() == [0] * len(clients)
+
+        await wait_for("the watch to unsubscribe", unsubscribed, 2.0)
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+async def drain(wake: Awaitable[None], watch: AsyncIterator[None]) -> None:
+    """Await the pending wake, then any later ones, for at most 3 s."""
+    async with asyncio.timeout(3.0):
+        await wake
+        while True:
+            await anext(watch)
+
+
+async def test_a_broken_subscription_raises_provider_error(redis_server: BaseServer) -> None:
+    require_control(redis_server)
+    async with RedisProvider(redis_server.url) as p:
+        watch = p.watch(group())
+        wake = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.2)
+        try:
+            with stopped(redis_server):
+                started = time.monotonic()
+                with pytest.raises(ProviderError, match="subscription"):
+                    await drain(wake, watch)
+                assert time.monotonic() - started < 2.0
+        finally:
+            await watch.aclose()  # type: ignore[attr-defined]
+
+
+# -- dead and frozen servers, clients ----------------------------------------------------------
+
+
+async def test_a_dead_server_gives_provider_error_quickly(redis_server: BaseServer) -> None:
+    async with RedisProvider(redis_server.url) as p:
+        assert await p.get_leader(group()) is None
+        with stopped(redis_server):
+            for call in [
+                lambda: p.try_acquire(group(), "p1", LEASE, {}),
+                lambda: p.get_leader("g"),
+            ]:
+                started = time.monotonic()
+                with pytest.raises(ProviderError):
+                    await call()
+                assert time.monotonic() - started < 2.0
+        # Back on the same port: the provider reconnects by itself.
+        info = await p.try_acquire(group(), "p1", LEASE, {})
+        assert info is not None
+
+
+async def test_a_frozen_server_gives_provider_error_after_socket_timeout(
+    redis_server: BaseServer,
+) -> None:
+    async with RedisProvider(redis_server.url, socket_timeout=0.5) as p:
+        assert await p.get_leader(group()) is None
+        with frozen(redis_server):
+            started = time.monotonic()
+            with pytest.raises(ProviderError, match="redis acquire"):
+                await p.try_acquire(group(), "p1", LEASE, {})
+            assert time.monotonic() - started < 1.5
+
+
+async def test_a_callers_client_stays_open(
+    redis_server: BaseServer, redis_servers: list[BaseServer]
+) -> None:
+    clients = [Redis.from_url(s.url) for s in [redis_server, *redis_servers]]
+    try:
+        providers: list[Any] = [RedisProvider(clients[0]), RedlockProvider(clients[1:])]
+        for p in providers:
+            info = await p.try_acquire(group(), "p1", LEASE, {})
+            assert info is not None
+            await p.aclose()
+        for client in clients:
+            assert await client.ping()
+    finally:
+        for client in clients:
+            await client.aclose()

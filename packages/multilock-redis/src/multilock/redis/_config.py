@@ -1,0 +1,265 @@
+"""Options and URLs: what both providers accept, validated at the boundary.
+
+Credentials never leave this module in a message: errors name URLs through `redact_url`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import attrs
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from multilock.core import ConfigurationError, redact_url
+from multilock.core._names import to_seconds
+
+__all__ = [
+    "DEFAULT_KEY_PREFIX",
+    "DEFAULT_SOCKET_TIMEOUT",
+    "Settings",
+    "client_from_url",
+    "parse_hosts",
+    "redlock_targets",
+    "sentinel_client",
+    "split_url",
+]
+
+DEFAULT_KEY_PREFIX = "multilock:"
+DEFAULT_SOCKET_TIMEOUT = 2.0
+#: Options of ours that a URL may carry in its query string (redis-py gets the rest).
+OWN_QUERY_KEYS = ("key_prefix", "socket_timeout", "socket_connect_timeout", "node_timeout")
+_PREFIX = re.compile(r"[!-z|~]{0,200}")  # printable ASCII without spaces, '{' and '}'
+
+
+def _from_query(key: str, value: str) -> Any:
+    """A query-string value as the option's type (timeouts are numbers of seconds)."""
+    if key == "key_prefix":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigurationError(f"{key} must be seconds, got {value!r}") from None
+
+
+def _prefix(value: Any) -> str:
+    if not isinstance(value, str) or not _PREFIX.fullmatch(value):
+        raise ConfigurationError(
+            f"key_prefix must be at most 200 printable ASCII characters without spaces, "
+            f"'{{' or '}}', got {value!r}"
+        )
+    return value
+
+
+def _socket_timeout(value: Any) -> float:
+    return to_seconds(value, "socket_timeout")
+
+
+def _connect_timeout(value: Any) -> float | None:
+    return None if value is None else to_seconds(value, "socket_connect_timeout")
+
+
+def _node_timeout(value: Any) -> float | None:
+    return None if value is None else to_seconds(value, "node_timeout")
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    """The options of a provider; keywords win over the URL's query string."""
+
+    key_prefix: str = attrs.field(default=DEFAULT_KEY_PREFIX, converter=_prefix)
+    socket_timeout: float = attrs.field(default=DEFAULT_SOCKET_TIMEOUT, converter=_socket_timeout)
+    #: None: the same as ``socket_timeout``.
+    socket_connect_timeout: float | None = attrs.field(default=None, converter=_connect_timeout)
+    #: Redlock only: the bound of one node's call; None picks min(socket_timeout, lease / 5).
+    node_timeout: float | None = attrs.field(default=None, converter=_node_timeout)
+
+    @property
+    def connect_timeout(self) -> float:
+        return self.socket_connect_timeout or self.socket_timeout
+
+    @classmethod
+    def merge(cls, query: Mapping[str, str], **kwargs: Any) -> Settings:
+        """Combine the URL's options with keyword arguments (None: not given)."""
+        unknown = set(kwargs) - set(OWN_QUERY_KEYS)
+        if unknown:
+            raise ConfigurationError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        given = {k: _from_query(k, v) for k, v in query.items()}
+        given.update({k: v for k, v in kwargs.items() if v is not None})
+        return cls(**given)
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """What every client this package builds gets: short timeouts, bounded retries."""
+        return {
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": self.connect_timeout,
+            # redis-py retries failed calls 10 times with backoff by default, longer than a
+            # lease, and the election core owns retries. One immediate retry is kept for a
+            # broken connection (a pooled one that a server restart closed): it fails or
+            # succeeds at once. A timeout is never retried. Every script is safe to run
+            # twice (a holder's acquire returns its own term), so a lost reply does no harm.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        }
+
+
+def split_url(url: str, schemes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """Return *url* without our own query options, and those options."""
+    if not isinstance(url, str):
+        raise ConfigurationError(f"url must be a str, not {type(url).__name__}")
+    try:
+        parts = urlsplit(url)
+        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid URL {redact_url(url)}: {exc}") from None
+    if parts.scheme.lower() not in schemes:
+        raise ConfigurationError(
+            f"URL {redact_url(url)} must start with one of: "
+            + ", ".join(f"{s}://" for s in schemes)
+        )
+    own = {k: v for k, v in pairs if k in OWN_QUERY_KEYS}
+    rest = urlencode([(k, v) for k, v in pairs if k not in OWN_QUERY_KEYS])
+    return urlunsplit((parts.scheme.lower(), parts.netloc, parts.path, rest, "")), own
+
+
+def parse_hosts(url: str, default_port: int) -> tuple[str, list[tuple[str, int]], str]:
+    """Split ``scheme://[userinfo@]h1[:p1],h2[:p2]/path`` into userinfo, hosts and path."""
+    parts = urlsplit(url)
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    hosts: list[tuple[str, int]] = []
+    for item in hostlist.split(","):
+        match = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)(?::(\d{1,5}))?", item)
+        if match is None:
+            raise ConfigurationError(
+                f"URL {redact_url(url)} has an invalid host {item!r}: use host[:port],..."
+            )
+        port = int(match.group(2)) if match.group(2) else default_port
+        if not 0 < port < 65536:
+            raise ConfigurationError(f"URL {redact_url(url)} has an invalid port {port}")
+        hosts.append((match.group(1), port))
+    if len(set(hosts)) != len(hosts):
+        raise ConfigurationError(f"URL {redact_url(url)} names a server twice")
+    return userinfo, hosts, parts.path
+
+
+def _db(text: str, url: str) -> int:
+    if text in ("", "/"):
+        return 0
+    if not re.fullmatch(r"/?\d{1,5}", text):
+        raise ConfigurationError(f"URL {redact_url(url)}: the database must be a number")
+    return int(text.strip("/"))
+
+
+def check_url(url: str) -> None:
+    """Refuse a ``redis://`` URL without a host, with a bad port or a bad database."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigurationError(f"invalid URL {redact_url(url)}: {exc}") from None
+    if not parts.hostname:
+        raise ConfigurationError(f"URL {redact_url(url)} has no host")
+    if port == 0:
+        raise ConfigurationError(f"URL {redact_url(url)} has an invalid port 0")
+    _db(parts.path, url)
+
+
+def client_from_url(url: str, settings: Settings) -> Redis:
+    """Build a client for one ``redis://`` or ``rediss://`` URL (query options go to redis-py)."""
+    check_url(url)
+    try:
+        client: Redis = Redis.from_url(url, **settings.client_kwargs())
+        pool = client.connection_pool
+        pool.connection_class(**pool.connection_kwargs)  # unknown options fail here, not later
+    except (ValueError, TypeError) as exc:
+        # redis-py names the offending option, never its value.
+        raise ConfigurationError(f"invalid URL {redact_url(url)}: {exc}") from None
+    return client
+
+
+def sentinel_client(
+    url: str, settings: Settings, sentinel_kwargs: Mapping[str, Any] | None
+) -> tuple[Redis, Callable[[], Any]]:
+    """Build a client of the master a Sentinel URL names, and the closer of its sentinels.
+
+    ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...][/service[/db]]``: the
+    password is the master's; give the sentinels' own credentials in *sentinel_kwargs*.
+    """
+    from redis.asyncio.sentinel import Sentinel
+
+    userinfo, hosts, path = parse_hosts(url, 26379)
+    if urlsplit(url).query:
+        raise ConfigurationError(
+            f"URL {redact_url(url)}: a Sentinel URL takes only key_prefix, socket_timeout "
+            "and socket_connect_timeout as query options"
+        )
+    service, _, db = path.strip("/").partition("/")
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]{0,255}", service):
+        raise ConfigurationError(f"URL {redact_url(url)} has an invalid service name")
+    user, has_password, password = userinfo.partition(":")
+    kwargs = settings.client_kwargs()
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        hosts,
+        sentinel_kwargs={**kwargs, **(sentinel_kwargs or {})},
+        **kwargs,
+    )
+    client: Redis = sentinel.master_for(
+        service or "mymaster",
+        username=unquote(user) or None,
+        password=unquote(password) if has_password else None,
+        db=_db(db, url),
+    )
+    return client, sentinel.aclose
+
+
+def _address(target: str | Redis) -> tuple[str, int, str]:
+    """Host, port and database of a node, to refuse counting one server twice."""
+    if isinstance(target, Redis):
+        kwargs = target.connection_pool.connection_kwargs
+        host, port, db = kwargs.get("host"), kwargs.get("port", 6379), kwargs.get("db", 0)
+        return str(host).lower(), int(port), str(db)
+    parts = urlsplit(target)
+    return (parts.hostname or "").lower(), parts.port or 6379, parts.path.strip("/") or "0"
+
+
+def redlock_targets(nodes: object) -> tuple[list[str | Redis], dict[str, str]]:
+    """The nodes of a Redlock provider as URLs and clients, and the URL's own options.
+
+    *nodes* is ``redlock://[[user]:password@]h1[:p1],h2[:p2],.../db[?options]`` (one
+    ``redis://`` URL per host, each with the credentials, database and redis-py options
+    of the whole), or a sequence of ``redis://``/``rediss://`` URLs and clients.
+    """
+    query: dict[str, str] = {}
+    targets: list[str | Redis] = []
+    if isinstance(nodes, str):
+        stripped, query = split_url(nodes, ("redlock",))
+        userinfo, hosts, path = parse_hosts(stripped, 6379)
+        rest = urlsplit(stripped).query
+        at = f"{userinfo}@" if userinfo else ""
+        targets.extend(urlunsplit(("redis", f"{at}{h}:{p}", path, rest, "")) for h, p in hosts)
+    elif isinstance(nodes, Sequence) and nodes:
+        for target in nodes:
+            if isinstance(target, str):
+                url, own = split_url(target, ("redis", "rediss"))
+                if own:
+                    raise ConfigurationError(
+                        f"give {', '.join(own)} to RedlockProvider, not in the URL of a node "
+                        f"({redact_url(url)})"
+                    )
+                check_url(url)
+                targets.append(url)
+            elif isinstance(target, Redis):
+                targets.append(target)
+            else:
+                raise ConfigurationError(
+                    f"a node must be a URL or a redis.asyncio.Redis, not {type(target).__name__}"
+                )
+    else:
+        raise ConfigurationError("nodes must be a redlock:// URL or a non-empty sequence")
+    if len({_address(t) for t in targets}) != len(targets):
+        raise ConfigurationError("the nodes name the same server twice")
+    return targets, query

@@ -1,0 +1,158 @@
+"""`RedisProvider`: leases on one Redis server (or the master a Sentinel names).
+
+Guarantees. Every write is one Lua script, atomic on the server: acquire takes the lease
+only when its key is absent (or extends it for its holder, same token); renew and release
+compare participant id and token. Expiry is judged by Redis alone (PX on the lease key),
+so ``get_leader`` sees only live leases. Tokens come from a per-group counter that is
+never deleted and never lower than the server's clock in microseconds, so they keep
+rising across release, expiry, and restarts of a Redis that keeps no data, provided the
+server clock does not go back by more than the time between the last token and the
+restart (and, behind Sentinel, that the new master's clock is not behind the old one's
+by more than the failover took). Followers wake on pub/sub and exactly at lease expiry.
+
+Failure modes. A Redis without persistence that restarts forgets the lease: a second
+leader can be elected while the first one still believes it leads, until its next renew
+fails (at most ``renew_interval`` later, and never past its deadline); in that window
+only the fencing token protects the shared resource. The same holds after a Sentinel
+failover to a replica that had not received the last writes (replication is
+asynchronous). Every call is bounded by ``socket_connect_timeout + socket_timeout``; the
+driver retries only a broken connection, once and at once; failures raise `ProviderError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from redis.asyncio import Redis
+
+from multilock.core import (
+    ConfigurationError,
+    LeaderInfo,
+    Provider,
+    validate_metadata,
+    validate_name,
+)
+from multilock.core._names import to_seconds
+
+from ._config import Settings, split_url
+from ._node import Node, encode_metadata
+from ._watch import watch_nodes
+
+__all__ = ["RedisProvider", "lease_ms"]
+
+_SCHEMES = ("redis", "rediss", "redis+sentinel")
+
+
+def lease_ms(lease_duration: float) -> int:
+    """Milliseconds for PX, rounded up: a server lease is never shorter than asked."""
+    return max(1, math.ceil(to_seconds(lease_duration, "lease_duration") * 1000))
+
+
+class RedisProvider(Provider):
+    """Leader election on one Redis server.
+
+    *client* is a URL (``redis://``, ``rediss://``, ``redis+sentinel://``; the provider
+    builds a client with short timeouts and no retries, and closes it in `aclose`) or an
+    existing ``redis.asyncio.Redis``, which the provider uses as it is and never closes.
+    A URL may carry ``key_prefix``, ``socket_timeout`` and ``socket_connect_timeout`` in
+    its query string; keyword arguments win. ``sentinel_kwargs`` (e.g. the sentinels'
+    own password) applies to ``redis+sentinel://`` only. Use a provider from one event loop.
+    """
+
+    def __init__(
+        self,
+        client: str | Redis,
+        *,
+        key_prefix: str | None = None,
+        socket_timeout: float | None = None,
+        socket_connect_timeout: float | None = None,
+        sentinel_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        query: dict[str, str] = {}
+        if isinstance(client, str):
+            client, query = split_url(client, _SCHEMES)
+        elif not isinstance(client, Redis):
+            raise ConfigurationError(
+                f"client must be a URL or a redis.asyncio.Redis, not {type(client).__name__}"
+            )
+        self._settings = Settings.merge(
+            query,
+            key_prefix=key_prefix,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_connect_timeout,
+        )
+        if self._settings.node_timeout is not None:
+            raise ConfigurationError("node_timeout is an option of redlock:// URLs only")
+        self._node = Node.build(client, self._settings, sentinel_kwargs)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> RedisProvider:
+        """Build a provider from ``redis://[[user]:password@]host[:port][/db][?options]``."""
+        if not isinstance(url, str):
+            raise ConfigurationError(f"url must be a str, not {type(url).__name__}")
+        return cls(url, **kwargs)
+
+    @property
+    def key_prefix(self) -> str:
+        """The prefix of every key and channel this provider uses."""
+        return self._settings.key_prefix
+
+    def __repr__(self) -> str:
+        return f"<RedisProvider {self._node.label} key_prefix={self.key_prefix!r}>"
+
+    async def try_acquire(
+        self,
+        group: str,
+        participant_id: str,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> LeaderInfo | None:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        ms = lease_ms(lease_duration)
+        meta = validate_metadata(metadata)
+        granted = await self._node.acquire(
+            group, participant_id, ms, encode_metadata(meta), clock_floor=True
+        )
+        if granted is None:
+            return None
+        return LeaderInfo(
+            participant_id=participant_id,
+            token=granted.token,
+            metadata=meta,
+            acquired_at=granted.acquired_at,
+        )
+
+    async def renew(
+        self,
+        group: str,
+        participant_id: str,
+        token: int,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> bool:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        ms = lease_ms(lease_duration)
+        meta = encode_metadata(validate_metadata(metadata))
+        return await self._node.renew(group, participant_id, int(token), ms, meta)
+
+    async def release(self, group: str, participant_id: str, token: int) -> None:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        await self._node.release(group, participant_id, int(token))
+
+    async def get_leader(self, group: str) -> LeaderInfo | None:
+        validate_name(group, "group")
+        return await self._node.leader(group)
+
+    def watch(self, group: str) -> AsyncIterator[None]:
+        """Yield on every new term and release (pub/sub), and when the lease is due to expire."""
+        validate_name(group, "group")
+        return watch_nodes([self._node], group, 1, set())
+
+    async def aclose(self) -> None:
+        """Close the client this provider built (a caller's client stays open)."""
+        await self._node.aclose()
