@@ -1,0 +1,329 @@
+"""`PostgresProvider` against a real PostgreSQL server: what only a server can show.
+
+The shared contract (`check_provider`) runs here on the default table and on a custom,
+mixed-case schema and table; the rest covers the table layout, server restarts,
+LISTEN/NOTIFY wake-ups, races, timeouts and connections or pools passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+
+from harness import BaseServer, require_control
+from multilock.core import ConfigurationError, ProviderError, from_url
+from multilock.core.testing import PROVIDER_CHECKS, check_provider
+from multilock.postgres import PostgresProvider
+
+
+def fresh(prefix: str = "pg") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def url(postgres_server: BaseServer) -> str:
+    return postgres_server.url
+
+
+async def query(
+    url: str, statement: sql.SQL | sql.Composed, *params: object
+) -> list[tuple[Any, ...]]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute(statement, list(params) or None)
+        return await cur.fetchall() if cur.description is not None else []
+
+
+async def next_within(watch: AsyncIterator[None], seconds: float) -> float:
+    """Wait for the watch's next wake-up; return how long it took."""
+    started = time.monotonic()
+    async with asyncio.timeout(seconds):
+        await anext(watch)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("layout", ["default", "custom"])
+@pytest.mark.parametrize("check", list(PROVIDER_CHECKS))
+async def test_provider_contract(url: str, check: str, layout: str) -> None:
+    # "custom" names need quoting (mixed case) and live in a schema the provider creates.
+    names: dict[str, Any] = {}
+    if layout == "custom":
+        names = {"schema": "MultiLock_Test", "table": "Leases"}
+    await check_provider(lambda: PostgresProvider(url, **names), lease_duration=1.0, only=check)
+
+
+async def test_custom_schema_and_table_are_quoted_and_separate(url: str) -> None:
+    schema, table = f"Election_{uuid.uuid4().hex[:8]}", "LeaseTable"
+    group = fresh()
+    try:
+        async with (
+            PostgresProvider(url, schema=schema, table=table) as custom,
+            PostgresProvider(url) as default,
+        ):
+            info = await custom.try_acquire(group, "p1", 30, {"k": "v"})
+            assert info is not None
+            assert await default.get_leader(group) is None, "the default table saw the lease"
+            assert await default.try_acquire(group, "p2", 30, {}) is not None
+            rows = await query(
+                url, sql.SQL("SELECT tablename FROM pg_tables WHERE schemaname = %s"), schema
+            )
+            assert rows == [(table,)], "the table was not created with its name as written"
+            row = await query(
+                url,
+                sql.SQL("SELECT participant_id, token FROM {} WHERE group_name = %s").format(
+                    sql.Identifier(schema, table)
+                ),
+                group,
+            )
+            assert row == [("p1", info.token)]
+    finally:
+        await query(url, sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+async def test_bad_names_are_rejected_before_any_sql(url: str) -> None:
+    count = sql.SQL("SELECT (SELECT count(*) FROM pg_class), (SELECT count(*) FROM pg_namespace)")
+    before = await query(url, count)
+    for bad in ['x"; DROP TABLE multilock_leases; --', "has space", "1st", "a" * 64, "dash-ed"]:
+        with pytest.raises(ConfigurationError, match="schema"):
+            PostgresProvider(url, schema=bad)
+        with pytest.raises(ConfigurationError, match="table"):
+            PostgresProvider(url, table=bad)
+    with pytest.raises(ConfigurationError, match="table"):
+        from_url(f"{url}?table=bad%22name")
+    assert await query(url, count) == before
+
+
+async def test_release_keeps_the_row_and_tokens_keep_rising(url: str) -> None:
+    group = fresh()
+    row_of = sql.SQL(
+        "SELECT participant_id, token, expires_at FROM multilock_leases WHERE group_name = %s"
+    )
+    tokens = []
+    async with PostgresProvider(url) as p:
+        for participant in ["p1", "p2", "p1"]:
+            info = await p.try_acquire(group, participant, 30, {})
+            assert info is not None
+            tokens.append(info.token)
+            await p.release(group, participant, info.token)
+            assert await query(url, row_of, group) == [(None, info.token, None)]
+        short = await p.try_acquire(group, "p3", 0.3, {})
+        assert short is not None
+        tokens.append(short.token)
+    # A new provider (new connections) after the lease expired still continues the count.
+    async with PostgresProvider(url) as q:
+        deadline = time.monotonic() + 5
+        while await q.get_leader(group) is not None:
+            assert time.monotonic() < deadline, "the short lease never expired"
+            await asyncio.sleep(0.05)
+        info = await q.try_acquire(group, "p3", 30, {})
+        assert info is not None
+        tokens.append(info.token)
+    assert tokens == list(range(tokens[0], tokens[0] + 5)), tokens
+
+
+async def test_twenty_racing_acquires_have_exactly_one_winner(url: str) -> None:
+    # A fresh table: the 20 first calls also race to create it (pg_type unique violation).
+    table = f"race_{uuid.uuid4().hex[:8]}"
+    providers = [PostgresProvider(url, table=table) for _ in range(20)]
+    try:
+        for _round in range(5):
+            group = fresh()
+            results = await asyncio.gather(
+                *(p.try_acquire(group, f"p{i}", 30, {}) for i, p in enumerate(providers))
+            )
+            winners = [r for r in results if r is not None]
+            assert len(winners) == 1, f"{len(winners)} winners"
+            leader = await providers[0].get_leader(group)
+            assert leader is not None
+            assert leader.participant_id == winners[0].participant_id
+    finally:
+        for p in providers:
+            await p.aclose()
+        await query(url, sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
+
+
+async def test_watch_wakes_on_release_within_100_ms(url: str) -> None:
+    group = fresh()
+    async with PostgresProvider(url) as p, PostgresProvider(url) as q:
+        watch = q.watch(group)
+        try:
+            await next_within(watch, 5)  # subscribed
+            delays = []
+            for _ in range(5):
+                info = await p.try_acquire(group, "p1", 30, {})
+                assert info is not None
+                await next_within(watch, 2)  # the acquisition is notified too
+                started = time.monotonic()
+                await p.release(group, "p1", info.token)
+                await next_within(watch, 2)
+                delays.append(time.monotonic() - started)
+                assert await q.get_leader(group) is None
+        finally:
+            await watch.aclose()  # type: ignore[attr-defined]
+    assert statistics.median(delays) < 0.1, delays
+    assert max(delays) < 0.5, delays
+
+
+async def test_watch_wakes_when_the_lease_expires(url: str) -> None:
+    group = fresh()
+    async with PostgresProvider(url) as p, PostgresProvider(url) as q:
+        watch = q.watch(group)
+        try:
+            await next_within(watch, 5)
+            acquired = time.monotonic()
+            assert await p.try_acquire(group, "p1", 1.0, {}) is not None
+            await next_within(watch, 2)  # the acquisition
+            await next_within(watch, 3)  # the expiry
+            woke = time.monotonic() - acquired
+            assert 0.9 <= woke < 1.5, f"woke {woke:.3f} s after a 1 s lease began"
+            assert await q.get_leader(group) is None, "woke before the server saw it expire"
+        finally:
+            await watch.aclose()  # type: ignore[attr-defined]
+
+
+async def test_statement_timeout_bounds_a_blocked_call(url: str) -> None:
+    group = fresh()
+    async with PostgresProvider(url, statement_timeout=0.5) as p:
+        info = await p.try_acquire(group, "p1", 30, {})
+        assert info is not None
+        async with await psycopg.AsyncConnection.connect(url) as blocker:
+            await blocker.execute(
+                "SELECT 1 FROM multilock_leases WHERE group_name = %s FOR UPDATE", [group]
+            )
+            started = time.monotonic()
+            with pytest.raises(ProviderError) as err:
+                await p.renew(group, "p1", info.token, 30, {})
+            assert time.monotonic() - started < 2.0
+            assert isinstance(err.value.__cause__, psycopg.errors.QueryCanceled)
+            await blocker.rollback()
+        assert await p.renew(group, "p1", info.token, 30, {})
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+async def test_a_callers_connection_is_used_and_left_open(url: str, autocommit: bool) -> None:
+    group = fresh()
+    async with await psycopg.AsyncConnection.connect(url, autocommit=autocommit) as conn:
+        p = PostgresProvider(conn)
+        info = await p.try_acquire(group, "p1", 30, {"k": "v"})
+        assert info is not None
+        leader = await p.get_leader(group)
+        assert leader is not None
+        assert leader.token == info.token
+        watch = p.watch(group)  # on a connection of its own, built from this one's
+        try:
+            await next_within(watch, 5)
+            await p.release(group, "p1", info.token)
+            await next_within(watch, 2)
+        finally:
+            await watch.aclose()  # type: ignore[attr-defined]
+        await p.aclose()
+        assert not conn.closed
+        assert conn.info.transaction_status == TransactionStatus.IDLE
+        await conn.execute("SELECT 1")
+
+
+async def test_a_callers_pool_is_used_and_left_open(url: str) -> None:
+    from psycopg_pool import AsyncConnectionPool
+
+    group = fresh()
+    async with AsyncConnectionPool(url, min_size=1, max_size=4, open=False) as pool:
+        p = PostgresProvider(pool)
+        results = await asyncio.gather(*(p.try_acquire(group, f"p{i}", 30, {}) for i in range(8)))
+        winners = [r for r in results if r is not None]
+        assert len(winners) == 1
+        watch = p.watch(group)
+        try:
+            await next_within(watch, 5)
+            await p.release(group, winners[0].participant_id, winners[0].token)
+            await next_within(watch, 2)
+        finally:
+            await watch.aclose()  # type: ignore[attr-defined]
+        await p.aclose()
+        assert not pool.closed
+        async with pool.connection() as conn:
+            await conn.execute("SELECT 1")
+
+
+async def test_server_restart_fails_fast_then_recovers(postgres_server: BaseServer) -> None:
+    server = require_control(postgres_server)
+    group = fresh()
+    p = PostgresProvider(server.url, connect_timeout=2, statement_timeout=2)
+    watch = p.watch(group)
+    pending: asyncio.Future[None] | None = None
+    try:
+        info = await p.try_acquire(group, "p1", 60, {})
+        assert info is not None
+        await next_within(watch, 5)
+        pending = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.1)  # the watch is waiting on its connection
+        await asyncio.to_thread(server.stop)
+
+        with pytest.raises(ProviderError):
+            async with asyncio.timeout(5):
+                await pending
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "get_leader": lambda: p.get_leader(group),
+            "try_acquire": lambda: p.try_acquire(group, "p2", 60, {}),
+            "renew": lambda: p.renew(group, "p1", info.token, 60, {}),
+            "release": lambda: p.release(group, "p1", info.token),
+        }
+        for name, call in calls.items():
+            started = time.monotonic()
+            with pytest.raises(ProviderError):
+                await call()
+            assert time.monotonic() - started < 3.0, f"{name} took too long to fail"
+        with pytest.raises(ProviderError):
+            await anext(p.watch(group))
+
+        await asyncio.to_thread(server.start)
+        # The first call after the restart works: dead connections were dropped.
+        leader = await p.get_leader(group)
+        assert leader is not None
+        assert (leader.participant_id, leader.token) == ("p1", info.token)
+        assert await p.renew(group, "p1", info.token, 60, {})
+        await p.release(group, "p1", info.token)
+        again = await p.try_acquire(group, "p2", 60, {})
+        assert again is not None
+        assert again.token > info.token
+        fresh_watch = p.watch(group)
+        try:
+            await next_within(fresh_watch, 5)
+            await p.release(group, "p2", again.token)
+            await next_within(fresh_watch, 2)
+        finally:
+            await fresh_watch.aclose()  # type: ignore[attr-defined]
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+        await watch.aclose()  # type: ignore[attr-defined]
+        if not getattr(server, "running", True):
+            await asyncio.to_thread(server.start)
+        await p.aclose()
+
+
+async def test_first_calls_after_a_quiet_restart_succeed(postgres_server: BaseServer) -> None:
+    # No call fails while the server is down, so the provider still holds idle connections
+    # to the old server process: each call finds its connection dead and retries once.
+    server = require_control(postgres_server)
+    group = fresh()
+    async with PostgresProvider(server.url, connect_timeout=2, statement_timeout=2) as p:
+        info = await p.try_acquire(group, "p1", 60, {})
+        assert info is not None
+        await asyncio.gather(*(p.get_leader(group) for _ in range(3)))  # idle connections
+        try:
+            await asyncio.to_thread(server.restart)
+        finally:
+            if not getattr(server, "running", True):
+                await asyncio.to_thread(server.start)
+        leaders = await asyncio.gather(*(p.get_leader(group) for _ in range(3)))
+        assert all(leader is not None and leader.token == info.token for leader in leaders)
+        assert await p.renew(group, "p1", info.token, 60, {})
+        await p.release(group, "p1", info.token)

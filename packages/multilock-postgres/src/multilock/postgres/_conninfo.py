@@ -1,0 +1,114 @@
+"""Connection strings: check them, add safe defaults, and never show their passwords."""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+import attrs
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from multilock.core import ConfigurationError
+from multilock.core._names import to_seconds
+from multilock.core._url import redact_url, scrub
+
+__all__ = ["SCHEMES", "ConnInfo", "split_url"]
+
+SCHEMES = ("postgresql", "postgres")
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_REDACTED = "***"
+#: Query parameters of a URL that are ours, not libpq's.
+_OURS = ("schema", "table")
+
+
+@attrs.frozen
+class ConnInfo:
+    """A checked connection string: what to connect with, and how to show it."""
+
+    #: The string to connect with, with defaults added (holds the password, if any).
+    conninfo: str = attrs.field(repr=False)
+    #: The same, with the password replaced by ``***``.
+    shown: str
+    connect_timeout: float
+    secrets: tuple[str, ...] = attrs.field(repr=False, default=())
+    url: str = attrs.field(repr=False, default="")
+
+    @classmethod
+    def parse(cls, text: str, connect_timeout: float | timedelta | None) -> ConnInfo:
+        """Check *text* (a URL or ``key=value`` string); raise ConfigurationError if bad.
+
+        *connect_timeout* None takes the string's own ``connect_timeout``, else 5 s.
+        """
+        scheme = _URL.match(text)
+        if scheme is not None and scheme.group(1).lower() not in SCHEMES:
+            raise ConfigurationError(
+                f"unsupported URL scheme {scheme.group(1)!r}: use postgresql:// or postgres://"
+            )
+        try:
+            params = conninfo_to_dict(text)
+        except psycopg.Error as exc:
+            # libpq quotes the offending text, which may hold a password: show it only
+            # for URLs, where the password can be found and scrubbed.
+            detail = f": {scrub(str(exc), text)}" if scheme else ""
+            raise ConfigurationError(f"invalid PostgreSQL connection string{detail}") from None
+        password = str(params.get("password") or "")
+        if scheme:
+            shown = redact_url(text)
+        else:
+            shown = make_conninfo(
+                "", **{k: _REDACTED if k == "password" else v for k, v in params.items()}
+            )
+        if connect_timeout is None:
+            connect_timeout = _libpq_timeout(params.get("connect_timeout"))
+        seconds = to_seconds(connect_timeout, "connect_timeout")
+        # Bound connecting (libpq counts whole seconds, at least 2), and let the kernel
+        # find dead peers of idle connections, such as a watch's LISTEN connection.
+        defaults = {
+            "connect_timeout": max(2, math.ceil(seconds)),
+            "keepalives": 1,
+            "keepalives_idle": 5,
+            "keepalives_interval": 2,
+            "keepalives_count": 3,
+        }
+        return cls(
+            conninfo=make_conninfo(text, **{k: v for k, v in defaults.items() if k not in params}),
+            shown=shown,
+            connect_timeout=seconds,
+            secrets=tuple(s for s in {password, quote(password, safe="")} if s),
+            url=text if scheme else "",
+        )
+
+    def scrub(self, text: str) -> str:
+        """Remove the password from *text*, in any spelling it may take."""
+        for secret in self.secrets:
+            text = text.replace(secret, _REDACTED)
+        return scrub(text, self.url) if self.url else text
+
+
+def split_url(url: str) -> tuple[str, dict[str, str]]:
+    """Take ``schema`` and ``table`` out of *url*'s query; libpq would reject them."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in SCHEMES:
+        raise ConfigurationError("a PostgreSQL URL starts with postgresql:// or postgres://")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in _OURS}
+    # quote_via=quote: libpq decodes %20 but not '+' as a space.
+    rest = urlencode([(k, v) for k, v in query if k not in _OURS], quote_via=quote)
+    return urlunsplit(parts._replace(query=rest)), ours
+
+
+def _libpq_timeout(value: Any) -> float:
+    """libpq's ``connect_timeout`` (seconds, at least 2); unset or <= 0 gives 5 here."""
+    if value in (None, ""):
+        return 5.0
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        raise ConfigurationError(
+            f"bad connect_timeout {value!r} in the connection string"
+        ) from None
+    return max(seconds, 2.0) if seconds > 0 else 5.0

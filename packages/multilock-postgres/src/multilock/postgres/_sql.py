@@ -1,0 +1,121 @@
+"""The SQL of `PostgresProvider`: identifier checks, channel names and the statements.
+
+Every statement is built once per (schema, table) with `psycopg.sql.Identifier`, and every
+value (group, participant, token, lease, metadata) is a bound parameter. Time is always
+the server's ``clock_timestamp()``, read once per statement (``FROM (SELECT
+clock_timestamp() AS now)``), never the client's clock: in autocommit ``now()`` would do
+too, but ``clock_timestamp()`` stays right even on a connection inside a transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from psycopg import sql
+
+from multilock.core import ConfigurationError
+
+__all__ = ["Statements", "channel_name", "validate_identifier"]
+
+#: PostgreSQL truncates identifiers to 63 bytes; ASCII only, so characters are bytes.
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+def validate_identifier(value: object, field: str) -> str:
+    """Return *value* if it is a safe schema or table name, else raise ConfigurationError.
+
+    The pattern is strict on purpose (letters, digits and ``_``, not starting with a
+    digit, at most 63 characters); names are still quoted, so case is kept as written.
+    """
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{field} must be a str, not {type(value).__name__}")
+    if not _IDENTIFIER.fullmatch(value):
+        shown = value if len(value) <= 70 else value[:67] + "..."
+        raise ConfigurationError(
+            f"{field} {shown!r} is invalid: use 1 to 63 ASCII letters, digits and '_', "
+            "not starting with a digit"
+        )
+    if field == "schema" and value.startswith("pg_"):
+        raise ConfigurationError(f"schema {value!r} is invalid: 'pg_' names are reserved")
+    return value
+
+
+def channel_name(schema: str, table: str, group: str) -> str:
+    """The LISTEN/NOTIFY channel of *group*: a hash, so any group fits in 63 bytes."""
+    digest = hashlib.sha256(f"{schema}\0{table}\0{group}".encode()).hexdigest()
+    return f"multilock_{digest[:40]}"
+
+
+class Statements:
+    """The statements for one table, composed once."""
+
+    def __init__(self, schema: str, table: str) -> None:
+        t = sql.Identifier(schema, table)
+        self.exists = sql.SQL(
+            "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s), "
+            "EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = %(schema)s "
+            "AND tablename = %(table)s)"
+        )
+        self.create_schema = sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+            sql.Identifier(schema)
+        )
+        self.create_table = sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {t} ("
+            " group_name text PRIMARY KEY,"
+            " participant_id text,"
+            " token bigint NOT NULL,"
+            " metadata jsonb NOT NULL DEFAULT '{{}}'::jsonb,"
+            " acquired_at timestamptz,"
+            " expires_at timestamptz)"
+        ).format(t=t)
+        # One statement: insert the first term, or take over a free or expired row with
+        # token + 1, or (same participant, live lease) extend it and keep the same term.
+        # Rows that stay held by someone else are not updated, so nothing is returned.
+        # NOTIFY from RETURNING runs only for a row taken; it is sent at commit.
+        same_term = sql.SQL(
+            "t.participant_id = excluded.participant_id AND t.expires_at > excluded.acquired_at"
+        )
+        self.acquire = sql.SQL(
+            "INSERT INTO {t} AS t"
+            " (group_name, participant_id, token, metadata, acquired_at, expires_at)"
+            " SELECT %(group)s::text, %(participant)s::text, 1, %(metadata)s::jsonb,"
+            " c.now, c.now + make_interval(secs => %(lease)s)"
+            " FROM (SELECT clock_timestamp() AS now) AS c"
+            " ON CONFLICT (group_name) DO UPDATE SET"
+            " token = CASE WHEN {same} THEN t.token ELSE t.token + 1 END,"
+            " acquired_at = CASE WHEN {same} THEN t.acquired_at ELSE excluded.acquired_at END,"
+            " participant_id = excluded.participant_id,"
+            " metadata = excluded.metadata,"
+            " expires_at = excluded.expires_at"
+            " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
+            " OR t.participant_id = excluded.participant_id"
+            " RETURNING t.token, t.acquired_at, pg_notify(%(channel)s, t.group_name)::text"
+        ).format(t=t, same=same_term)
+        self.renew = sql.SQL(
+            "UPDATE {t} AS t SET expires_at = c.now + make_interval(secs => %(lease)s),"
+            " metadata = %(metadata)s"
+            " FROM (SELECT clock_timestamp() AS now) AS c"
+            " WHERE t.group_name = %(group)s AND t.participant_id = %(participant)s"
+            " AND t.token = %(token)s AND t.expires_at > c.now"
+            " RETURNING t.token"
+        ).format(t=t)
+        # The row and its token stay, so the next term's token is still token + 1.
+        self.release = sql.SQL(
+            "WITH released AS ("
+            " UPDATE {t} SET participant_id = NULL, expires_at = NULL, acquired_at = NULL,"
+            " metadata = '{{}}'::jsonb"
+            " WHERE group_name = %(group)s AND participant_id = %(participant)s"
+            " AND token = %(token)s RETURNING group_name)"
+            " SELECT pg_notify(%(channel)s, group_name)::text FROM released"
+        ).format(t=t)
+        self.leader = sql.SQL(
+            "SELECT participant_id, token, metadata, acquired_at FROM {t}"
+            " WHERE group_name = %(group)s AND participant_id IS NOT NULL"
+            " AND expires_at > clock_timestamp()"
+        ).format(t=t)
+        self.expires_in = sql.SQL(
+            "SELECT extract(epoch FROM expires_at - clock_timestamp())::float8 FROM {t}"
+            " WHERE group_name = %(group)s AND participant_id IS NOT NULL"
+            " AND expires_at > clock_timestamp()"
+        ).format(t=t)
