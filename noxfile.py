@@ -1,0 +1,115 @@
+"""Developer and CI tasks. ``python3 dev.py test`` runs the ``ci`` session.
+
+Sessions:
+- ci: everything CI checks: server install, ruff, mypy --strict, unit, packaging, sample,
+  integration (real servers) and fault-injection tests.
+- lint, typecheck, tests (no servers), integration, demo, bench, compose (against
+  docker-compose.yml).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p.parent for p in ROOT.glob("packages/*/pyproject.toml"))
+IMPORTS = sorted(
+    f"multilock.{d.name}" for p in PACKAGES for d in (p / "src" / "multilock").iterdir()
+    if d.is_dir() and not d.name.startswith((".", "_"))
+)  # fmt: skip
+DEV = [
+    "pytest>=8",
+    "pytest-asyncio>=0.24",
+    "pytest-timeout>=2.3",
+    "mypy>=1.11",
+    "ruff>=0.6",
+    "hatchling>=1.25",
+    "packaging>=24",
+    "testcontainers>=4.8",
+]
+
+nox.options.sessions = ["ci"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install_all(session: nox.Session) -> None:
+    editable = [arg for p in PACKAGES for arg in ("-e", str(p))]
+    session.install(*editable, *DEV)
+
+
+def _servers(session: nox.Session) -> None:
+    session.run("python", "integration/harness/install.py")
+
+
+@nox.session
+def ci(session: nox.Session) -> None:
+    """The whole suite, as CI runs it (README: ``python3 dev.py test``)."""
+    _servers(session)
+    _install_all(session)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy", *(a for name in IMPORTS for a in ("-p", name)))
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    _install_all(session)
+    session.run("mypy", *(a for name in IMPORTS for a in ("-p", name)))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit, packaging and sample tests: no servers needed."""
+    _install_all(session)
+    session.run("pytest", "packages", "tests", *session.posargs)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Contract and fault tests against real servers started by the harness."""
+    _servers(session)
+    _install_all(session)
+    session.run("pytest", "integration", *session.posargs)
+
+
+@nox.session
+def compose(session: nox.Session) -> None:
+    """The integration suite against ``docker compose up`` (needs a Docker engine)."""
+    _install_all(session)
+    session.run("docker", "compose", "up", "-d", "--wait", external=True)
+    env = {
+        "MULTILOCK_TEST_REDIS_URL": "redis://127.0.0.1:16379/0",
+        "MULTILOCK_TEST_REDLOCK_URLS": ",".join(
+            f"redis://127.0.0.1:{port}/0" for port in (16379, 16380, 16381)
+        ),
+        "MULTILOCK_TEST_POSTGRES_URL": "postgresql://postgres:multilock@127.0.0.1:15432/postgres",
+    }
+    try:
+        session.run("pytest", "integration", *session.posargs, env=env)
+    finally:
+        session.run("docker", "compose", "down", "-v", external=True)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Three processes on the file-system provider: a crash failover and a handoff."""
+    session.install("-e", "packages/multilock-core", "-e", "packages/multilock-filesystem")
+    session.run("python", "samples/demo.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Reproduce benchmarks/REPORT.md."""
+    _servers(session)
+    _install_all(session)
+    session.run("python", "benchmarks/run.py", *session.posargs)
