@@ -8,6 +8,7 @@ deadlines (``WAIT``), never slept on. One test uses the real shared loop and rea
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import sys
 import threading
@@ -29,6 +30,7 @@ from multilock.core import (
     MultilockError,
     Provider,
     RunStatus,
+    sync,
 )
 from multilock.core.sync import LeaderElection
 from multilock.core.testing import FakeClock, Fault, FaultyProvider
@@ -539,29 +541,30 @@ def test_blocking_calls_from_the_loop_thread_raise(clock: FakeClock) -> None:
     assert a.closed
 
 
+class RecordingProvider(InMemoryProvider):
+    """Real time. Record the threads that call the store, and each release."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[str] = set()
+        self.released = threading.Event()
+        self.work_running = threading.Event()
+        self.released_during_work: bool | None = None
+
+    async def get_leader(self, group: str) -> LeaderInfo | None:
+        self.threads.add(threading.current_thread().name)
+        return await super().get_leader(group)
+
+    async def release(self, group: str, participant_id: str, token: int) -> None:
+        self.threads.add(threading.current_thread().name)
+        if self.released_during_work is None:
+            self.released_during_work = self.work_running.is_set()
+        self.released.set()
+        await super().release(group, participant_id, token)
+
+
 def test_shared_default_loop_serves_two_elections_and_one_provider() -> None:
     """Real time, lease 2 s: every wait is on an event with a deadline."""
-
-    class RecordingProvider(InMemoryProvider):
-        """Record the threads that call the store, and each release."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.threads: set[str] = set()
-            self.released = threading.Event()
-            self.work_running = threading.Event()
-            self.released_during_work: bool | None = None
-
-        async def get_leader(self, group: str) -> LeaderInfo | None:
-            self.threads.add(threading.current_thread().name)
-            return await super().get_leader(group)
-
-        async def release(self, group: str, participant_id: str, token: int) -> None:
-            self.threads.add(threading.current_thread().name)
-            if self.released_during_work is None:
-                self.released_during_work = self.work_running.is_set()
-            self.released.set()
-            await super().release(group, participant_id, token)
 
     provider = RecordingProvider()
     fields: dict[str, Any] = {"group": "sync-default", "lease_duration": 2.0}
@@ -607,3 +610,81 @@ def test_shared_default_loop_serves_two_elections_and_one_provider() -> None:
         b.close()
     shared = [t for t in threading.enumerate() if t.name == "multilock-sync"]
     assert len(shared) == 1  # one shared loop thread, still there for later elections
+
+
+def test_stop_after_an_interrupted_run_while_leader_still_waits_for_the_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real time, lease 2 s. Ctrl-C in the thread blocked in run_while_leader, then stop().
+
+    The interrupt cancels the term task once (through run_while_leader) and stop() cancels
+    it again: the lease must still be released only after the work has returned.
+    """
+    interrupt: concurrent.futures.Future[None] = concurrent.futures.Future()
+    interrupted: set[int] = set()  # idents of the threads whose waits get interrupted
+    real_wait = sync._wait
+
+    class InterruptedResult:
+        """Stands in for a future whose waiter gets KeyboardInterrupt when interrupted."""
+
+        def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+            self.future = future
+
+        def result(self) -> Any:
+            concurrent.futures.wait([self.future, interrupt], return_when="FIRST_COMPLETED")
+            if not self.future.done():
+                raise KeyboardInterrupt
+            return self.future.result()
+
+        def cancel(self) -> bool:
+            return self.future.cancel()
+
+    def wait(future: concurrent.futures.Future[Any]) -> Any:
+        if threading.get_ident() in interrupted:
+            return real_wait(InterruptedResult(future))  # type: ignore[arg-type]
+        return real_wait(future)
+
+    monkeypatch.setattr(sync, "_wait", wait)
+
+    provider = RecordingProvider()
+    a = LeaderElection(provider, participant_id="a", group="sync-interrupt", lease_duration=2.0)
+    try:
+        a.start()
+        first = a.wait_until_leader(timeout=WAIT)
+        inside = threading.Event()
+
+        def work(leadership: Leadership) -> None:
+            provider.work_running.set()
+            inside.set()
+            try:
+                if leadership.lost.wait(WAIT):
+                    # A release that comes too early shows within 0.3 s, well inside the
+                    # 1.3 s or more left before the term's deadline.
+                    provider.released.wait(0.3)
+            finally:
+                provider.work_running.clear()
+
+        def run_interruptibly() -> None:
+            interrupted.add(threading.get_ident())
+            a.run_while_leader(work)
+
+        runner = Background(run_interruptibly)
+        assert inside.wait(WAIT)
+        interrupt.set_result(None)
+        with pytest.raises(KeyboardInterrupt):
+            runner.result()
+        # Round trips through the loop: the interrupt's cancellation reaches the term task
+        # (a few loop iterations) before stop() cancels it again.
+        for _ in range(3):
+            a.statistics()
+        assert a.is_leader  # the work is not told of the interrupt: the term goes on
+        assert not first.lost.is_set()
+        assert provider.work_running.is_set()
+
+        a.stop()
+        assert first.lost.is_set()
+        assert provider.released_during_work is False
+        assert not provider.work_running.is_set()  # stop() returned after the work
+        assert a.current_leader() is None
+    finally:
+        a.close()

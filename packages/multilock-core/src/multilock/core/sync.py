@@ -177,17 +177,24 @@ def _settle(future: asyncio.Future[T], value: T) -> None:
         future.set_result(value)
 
 
-async def _until_settled(done: asyncio.Future[T]) -> T:
-    """Wait for work running in a thread, which cancellation cannot stop.
+async def _until_settled(done: asyncio.Future[T], leadership: Leadership) -> T:
+    """Wait for work running in a thread of *leadership*'s term, which cancellation cannot stop.
 
     When cancelled (the term ended, or the caller gave up), keep waiting until the thread
-    is done so that ``stop()``/``resign()`` release the lease only after the work has
-    stopped; a second cancellation ends the wait.
+    is done, through any further cancellation, so that ``stop()``/``resign()`` release the
+    lease only after the work has stopped. A term can be cancelled twice: an interrupted
+    ``run_while_leader`` cancels it, then ``stop()`` does. The wait ends, and the
+    cancellation goes on, when the term's deadline passes (renewals move it while the term
+    holds): the lease may expire from then on anyway.
     """
     try:
         return await asyncio.shield(done)
     except asyncio.CancelledError:
-        await asyncio.wait({done})
+        clock = asyncio.get_running_loop().time  # the election's clock, as in _election.py
+        # Not ``time_left``, which is 0 once the term is lost: read the deadline itself.
+        while not done.done() and (left := leadership._deadline - clock()) > 0:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({done}, timeout=left)
         raise
 
 
@@ -213,7 +220,7 @@ async def _in_worker_thread(leadership: Leadership, fn: Callable[..., object], *
 
     name = f"multilock-leader-{leadership.group}-{leadership.token}"
     threading.Thread(target=target, name=name, daemon=True).start()
-    error = await _until_settled(done)
+    error = await _until_settled(done, leadership)
     if error is not None:
         raise error if isinstance(error, Exception) else _Escaped(error)
 
@@ -424,7 +431,8 @@ class LeaderElection:
         election is stopped (from another thread).
 
         If this wait is interrupted (KeyboardInterrupt), a running *fn* is not told: the
-        term goes on until the election is stopped, which sets ``leadership.lost``.
+        term goes on until the election is stopped, which sets ``leadership.lost`` and
+        still waits for *fn* (at most until the term's deadline).
         """
         work = self._election.run_while_leader(_in_worker_thread, fn, *args)
         try:
@@ -454,7 +462,7 @@ class LeaderElection:
                 started.set_result((leadership, finished))
             except concurrent.futures.InvalidStateError:
                 return  # the caller was interrupted and has gone
-            await _until_settled(finished)
+            await _until_settled(finished, leadership)
 
         def not_started(_: object) -> None:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
