@@ -20,41 +20,33 @@ import pytest
 
 from harness import (
     BACKENDS,
+    PLUGINS,
     Backend,
     BaseServer,
     PostgresServer,
     Recipe,
     RedisServer,
-    Unavailable,
+    load_backend_plugins,
     log_sections,
     missing_provider,
     redlock_url,
+    serve,
+    session_servers,
     skip_or_fail,
-    start_servers,
 )
 
-_session_servers: list[BaseServer] = []
-
-
-def _serve(recipe: Recipe) -> Iterator[list[BaseServer]]:
-    try:
-        servers = start_servers(recipe)
-    except Unavailable as exc:
-        skip_or_fail(str(exc))
-    _session_servers.extend(servers)
-    try:
-        yield servers
-    finally:
-        for server in servers:
-            server.close()
-            _session_servers.remove(server)
+# Backends with a module of their own (harness/fixtures_<name>.py): import them so they
+# register with the `backend` fixture, and expose the fixtures each lists in __all__.
+for _module in load_backend_plugins():
+    for _name in getattr(_module, "__all__", ()):
+        globals()[_name] = getattr(_module, _name)
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[BaseServer]:
     """A Redis server without persistence: a restart forgets everything."""
     recipe = Recipe("redis", "MULTILOCK_TEST_REDIS_URL", RedisServer, "redis")
-    for servers in _serve(recipe):
+    for servers in serve(recipe):
         yield servers[0]
 
 
@@ -67,7 +59,7 @@ def redis_persistent_server() -> Iterator[BaseServer]:
         lambda: RedisServer(persistent=True),
         "redis-persistent",
     )
-    for servers in _serve(recipe):
+    for servers in serve(recipe):
         yield servers[0]
 
 
@@ -75,14 +67,14 @@ def redis_persistent_server() -> Iterator[BaseServer]:
 def redis_servers() -> Iterator[list[BaseServer]]:
     """Three independent Redis servers without persistence, for Redlock."""
     recipe = Recipe("redis", "MULTILOCK_TEST_REDLOCK_URLS", RedisServer, "redis", count=3)
-    yield from _serve(recipe)
+    yield from serve(recipe)
 
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[BaseServer]:
     """A PostgreSQL server (trust auth, fsync off) with the database ``postgres``."""
     recipe = Recipe("postgres", "MULTILOCK_TEST_POSTGRES_URL", PostgresServer, "postgres")
-    for servers in _serve(recipe):
+    for servers in serve(recipe):
         yield servers[0]
 
 
@@ -106,6 +98,8 @@ def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if name == "postgres":
         server = request.getfixturevalue("postgres_server")
         return Backend(name, server.url, (server,))
+    if name in PLUGINS:
+        return PLUGINS[name].make(request, tmp_path_factory)
     raise AssertionError(f"no recipe for the backend {name!r}")
 
 
@@ -124,7 +118,7 @@ def _servers_of(item: pytest.Item) -> list[BaseServer]:
         elif isinstance(value, list) and value and all(isinstance(v, BaseServer) for v in value):
             known = True
             used.extend(value)
-    return list(dict.fromkeys(used)) if known else list(_session_servers)
+    return list(dict.fromkeys(used)) if known else list(session_servers)
 
 
 @pytest.hookimpl(wrapper=True)

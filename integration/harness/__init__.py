@@ -5,8 +5,25 @@ picks one of those or a URL from the environment, `backends` names the providers
 test, and ``install.py`` installs the binaries (run it as a script).
 """
 
-from .backends import BACKENDS, Backend, missing_provider, redlock_url
-from .resolve import Recipe, Unavailable, in_ci, require_control, skip_or_fail, start_servers
+from .backends import (
+    BACKENDS,
+    PLUGINS,
+    Backend,
+    load_backend_plugins,
+    missing_provider,
+    redlock_url,
+    register_backend,
+)
+from .resolve import (
+    Recipe,
+    Unavailable,
+    in_ci,
+    require_control,
+    serve,
+    session_servers,
+    skip_or_fail,
+    start_servers,
+)
 from .servers import (
     BaseServer,
     ControlUnavailable,
@@ -23,6 +40,7 @@ from .servers import (
 
 __all__ = [
     "BACKENDS",
+    "PLUGINS",
     "Backend",
     "BaseServer",
     "ControlUnavailable",
@@ -36,11 +54,15 @@ __all__ = [
     "Unavailable",
     "free_port",
     "in_ci",
+    "load_backend_plugins",
     "log_sections",
     "missing_provider",
     "redlock_url",
+    "register_backend",
     "require_control",
     "running_servers",
+    "serve",
+    "session_servers",
     "skip_or_fail",
     "start_servers",
 ]

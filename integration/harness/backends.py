@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+import pkgutil
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -12,7 +15,17 @@ from multilock.core import Provider, available_schemes, from_url, redact_url
 
 from .servers import BaseServer
 
-__all__ = ["BACKENDS", "SCHEMES", "Backend", "missing_provider", "redlock_url"]
+__all__ = [
+    "BACKENDS",
+    "PLUGINS",
+    "SCHEMES",
+    "Backend",
+    "BackendPlugin",
+    "load_backend_plugins",
+    "missing_provider",
+    "redlock_url",
+    "register_backend",
+]
 
 #: The backends every provider-level integration test runs against.
 BACKENDS = ["memory", "filesystem", "redis", "redlock", "postgres"]
@@ -69,3 +82,42 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<Backend {self.name} {redact_url(self.url)}>"
+
+
+#: make(request, tmp_path_factory) -> Backend, called by the ``backend`` fixture.
+BackendFactory = Callable[[Any, Any], Backend]
+
+
+@attrs.frozen
+class BackendPlugin:
+    """A backend added by a ``harness/fixtures_<name>.py`` module."""
+
+    name: str
+    scheme: str
+    distribution: str
+    make: BackendFactory
+
+
+PLUGINS: dict[str, BackendPlugin] = {}
+
+
+def register_backend(name: str, scheme: str, distribution: str, make: BackendFactory) -> None:
+    """Add a backend to the ``backend`` fixture (call it from a ``fixtures_*`` module)."""
+    PLUGINS[name] = BackendPlugin(name, scheme, distribution, make)
+    SCHEMES[name] = (scheme, distribution)
+    if name not in BACKENDS:
+        BACKENDS.append(name)
+
+
+def load_backend_plugins() -> list[ModuleType]:
+    """Import every ``harness.fixtures_*`` module; each registers its backend and fixtures.
+
+    A module lists its pytest fixtures in ``__all__``; conftest.py re-exports them, so
+    adding a backend to the suite touches no shared file.
+    """
+    package = importlib.import_module("harness")
+    return [
+        importlib.import_module(f"harness.{info.name}")
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name)
+        if info.name.startswith("fixtures_")
+    ]

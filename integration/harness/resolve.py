@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import NoReturn
 
 import attrs
@@ -20,7 +20,16 @@ import pytest
 from .containers import SPECS, ContainerServer, docker_available
 from .servers import BaseServer, ExternalServer, NotInstalled, Server
 
-__all__ = ["Recipe", "Unavailable", "in_ci", "require_control", "skip_or_fail", "start_servers"]
+__all__ = [
+    "Recipe",
+    "Unavailable",
+    "in_ci",
+    "require_control",
+    "serve",
+    "session_servers",
+    "skip_or_fail",
+    "start_servers",
+]
 
 INSTALL_HINT = "python integration/harness/install.py"
 
@@ -123,3 +132,25 @@ def start_servers(
         f"no {recipe.container} server: {recipe.env_var} is not set, {local_reason}, "
         f"and {docker_reason}"
     )
+
+
+#: Every server started through `serve` in this test session, for failure reports.
+session_servers: list[BaseServer] = []
+
+
+def serve(recipe: Recipe) -> Iterator[list[BaseServer]]:
+    """Start *recipe*'s servers for a session fixture (``for servers in serve(r): yield``).
+
+    Skips (fails in CI) when they cannot be had; stops them when the fixture ends.
+    """
+    try:
+        servers = start_servers(recipe)
+    except Unavailable as exc:
+        skip_or_fail(str(exc))
+    session_servers.extend(servers)
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+            session_servers.remove(server)
