@@ -671,3 +671,23 @@ def test_watch_leader_reports_every_change_and_only_changes():
         assert seen[2:] in ([None, ("b", 2), None], [("b", 2), None])
 
     run(body)
+
+
+def test_a_watch_wake_makes_the_leader_check_its_lease_at_once():
+    """A session-based store (ZooKeeper SUSPENDED, etcd lease gone) ends the term at once."""
+
+    async def body(world):
+        a = world.election("a", lease_duration=30)
+        await a.start()
+        leadership = await a.wait_until_leader()
+        await asyncio.sleep(1)
+        # The store drops a's lease behind its back and notifies watchers.
+        world.store._store.leases.pop("g")
+        dropped = world.clock.now
+        world.store._notify("g")
+        while a.is_leader:
+            await asyncio.sleep(0.001)
+        assert world.clock.now - dropped < 0.01  # not at the next renew, 10 s later
+        assert leadership.lost.is_set()
+
+    run(body)

@@ -544,7 +544,10 @@ class LeaderElection:
         while self._leadership is leadership:
             await self._sleep_until(min(next_renew, leadership._deadline), self._interrupt)
             if self._leadership is not leadership:
-                return  # resigned
+                return  # resigned or stopped
+            # Woken early by the store's watch (a session suspended, the key deleted...):
+            # renew now, so a lease the store has dropped ends the term at once.
+            self._interrupt.clear()
             now = self._clock()
             if now >= leadership._deadline:
                 self._renew_failures += 1
@@ -589,6 +592,8 @@ class LeaderElection:
                 self._watch_alive = True
                 async for _ in stream:
                     self._wake.set()
+                    if self._leadership is not None:
+                        self._interrupt.set()  # a leader checks its lease at once
             except Exception as exc:
                 log.warning("watch of %s broke, polling until it is back: %r", self.group, exc)
             finally:
