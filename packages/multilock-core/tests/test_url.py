@@ -60,6 +60,14 @@ def test_non_string_url():
         ("s3://h/b?secret_key=abc&region=x", "s3://h/b?secret_key=***&region=x"),
         ("x://h?AccountKey=abc&sig=zz", "x://h?AccountKey=***&sig=***"),
         ("memory://", "memory://"),
+        (
+            "redis+sentinel://h?sentinel_password=p&db=1",
+            "redis+sentinel://h?sentinel_password=***&db=1",
+        ),
+        (
+            "x://h?client_secret=c&monkey=m&api-key=k",
+            "x://h?client_secret=***&monkey=m&api-key=***",
+        ),
     ],
 )
 def test_redact_url(url, expected):

@@ -8,6 +8,7 @@ Each backend distribution registers its provider class under the entry-point gro
 from __future__ import annotations
 
 import importlib
+import re
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
@@ -54,7 +55,16 @@ _SECRET_QUERY_KEYS = frozenset(
         "key",
     }
 )
+#: A key whose last ``_``/``-``/``.`` part is one of these is secret too (sentinel_password).
+_SECRET_WORDS = frozenset(
+    {"password", "passwd", "pwd", "secret", "token", "key", "sig", "credential", "credentials"}
+)
 _REDACTED = "***"
+
+
+def _is_secret(key: str) -> bool:
+    lowered = key.lower()
+    return lowered in _SECRET_QUERY_KEYS or re.split(r"[_.\-]", lowered)[-1] in _SECRET_WORDS
 
 
 def redact_url(url: str) -> str:
@@ -70,7 +80,7 @@ def redact_url(url: str) -> str:
         if query:
             pairs = parse_qsl(query, keep_blank_values=True)
             query = urlencode(
-                [(k, _REDACTED if k.lower() in _SECRET_QUERY_KEYS else v) for k, v in pairs],
+                [(k, _REDACTED if _is_secret(k) else v) for k, v in pairs],
                 safe="*",
             )
         if netloc == parts.netloc and query == parts.query:
@@ -88,7 +98,7 @@ def _secrets_of(url: str) -> list[str]:
         if parts.password:
             found += [parts.password, unquote(parts.password), quote(parts.password)]
         for k, v in parse_qsl(parts.query, keep_blank_values=True):
-            if k.lower() in _SECRET_QUERY_KEYS and v:
+            if _is_secret(k) and v:
                 found += [v, quote(v, safe="")]
     except ValueError:
         pass

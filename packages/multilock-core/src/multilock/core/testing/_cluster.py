@@ -60,7 +60,8 @@ class Cluster:
         ]
         self._tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="mlc-")
         self.log_dir = Path(log_dir if log_dir is not None else self._tmp.name)  # type: ignore[union-attr]
-        self._env = {**os.environ, **(env or {})}
+        # The URL travels in the environment: a password must not show in `ps`.
+        self._env = {**os.environ, **(env or {}), "MULTILOCK_PARTICIPANT_URL": url}
         self.members = [Member(f"{group}-p{i}", self.log_dir / f"p{i}.jsonl") for i in range(size)]
         self.kills: dict[str, list[float]] = {}
 
@@ -81,7 +82,7 @@ class Cluster:
             raise RuntimeError(f"{member.name} is already running")
         cmd = [
             sys.executable, "-m", "multilock.core.testing.participant",
-            "--url", self.url, "--group", self.group, "--id", member.name,
+            "--group", self.group, "--id", member.name,
             "--log", str(member.log_path), "--lease", str(self.lease), *self._extra,
         ]  # fmt: skip
         stderr = open(member.log_path.with_suffix(".stderr"), "ab")  # noqa: SIM115

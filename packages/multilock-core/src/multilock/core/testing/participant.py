@@ -97,7 +97,12 @@ async def _main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m multilock.core.testing.participant")
-    parser.add_argument("--url", required=True)
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("MULTILOCK_PARTICIPANT_URL"),
+        help="the store URL (default: $MULTILOCK_PARTICIPANT_URL, which keeps passwords "
+        "out of the process list)",
+    )
     parser.add_argument("--group", required=True)
     parser.add_argument("--id", required=True)
     parser.add_argument("--log", required=True)
@@ -105,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--renew", type=float, default=None)
     parser.add_argument("--retry", type=float, default=None)
     parser.add_argument("--work-interval", type=float, default=0.02)
-    return asyncio.run(_main(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    if not args.url:
+        parser.error("--url or MULTILOCK_PARTICIPANT_URL is required")
+    return asyncio.run(_main(args))
 
 
 if __name__ == "__main__":
