@@ -401,6 +401,7 @@ class LeaderElection:
         """Step down locally, synchronously: invalid at once, leader tasks cancelled."""
         if self._leadership is not leadership:
             return
+        leadership._ended_at = self._clock()
         leadership.lost.set()
         self._leadership = None
         self._lost_token = leadership.token

@@ -128,6 +128,7 @@ class Leadership:
     __slots__ = (
         "_clock",
         "_deadline",
+        "_ended_at",
         "acquired_at",
         "group",
         "lost",
@@ -154,6 +155,8 @@ class Leadership:
         self.metadata: Mapping[str, str] = dict(metadata)
         self.lost = threading.Event()
         self._deadline = deadline
+        #: When the election stepped down (its clock), before any release was sent.
+        self._ended_at: float | None = None
         self._clock = clock
 
     @property

@@ -61,7 +61,11 @@ async def _main(args: argparse.Namespace) -> int:
                 log.write("acquired", token=event.token)
             elif event.kind is EventKind.LOST:
                 ended = terms.pop(event.token or 0, None)
-                valid_until = ended._deadline if ended is not None else None
+                # The term ended when the election stepped down (before it released), or at
+                # its deadline if the process was frozen past it: whichever came first.
+                valid_until = None
+                if ended is not None:
+                    valid_until = min(ended._deadline, ended._ended_at or ended._deadline)
                 log.write("lost", token=event.token, valid_until=valid_until)
             else:
                 leader = event.leader
@@ -75,8 +79,9 @@ async def _main(args: argparse.Namespace) -> int:
 
     async def work(leadership: Leadership) -> None:
         while True:
+            stamped = time.monotonic()  # before the check: a SIGSTOP between cannot post-date it
             if leadership.is_valid:
-                log.write("work", token=leadership.token)
+                log.write("work", token=leadership.token, t=stamped)
             await asyncio.sleep(args.work_interval)
 
     recorder = asyncio.create_task(record_events())
