@@ -28,6 +28,9 @@ DEV = [
     "hatchling>=1.25",
     "packaging>=24",
     "testcontainers>=4.8",
+    "moto[s3]>=5",  # the S3 server of the integration tests
+    "flask",
+    "flask-cors",
 ]
 
 nox.options.sessions = ["ci"]

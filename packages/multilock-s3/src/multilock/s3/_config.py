@@ -1,0 +1,98 @@
+"""S3 URLs and names: ``s3://[key:secret@]host[:port]/bucket[/prefix/]?option=value``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from multilock.core import ConfigurationError
+from multilock.core._url import redact_url
+
+__all__ = ["check_bucket", "check_prefix", "parse_url"]
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_PREFIX = re.compile(r"[A-Za-z0-9_.\-/]{0,512}")
+_SCHEMES = {"s3": True, "s3+http": False}
+_TEXT = ("region", "session_token", "ca_certs")
+_SECONDS = ("timeout", "poll_interval")
+_FLAGS = ("cert_check", "create_bucket")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def check_bucket(bucket: object) -> str:
+    """Return *bucket* if it is a valid S3 bucket name, else raise `ConfigurationError`."""
+    if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise ConfigurationError(
+            f"bucket must be 3..63 chars of [a-z0-9.-], starting and ending with a letter or "
+            f"digit, got {bucket!r}"
+        )
+    return bucket
+
+
+def check_prefix(prefix: object) -> str:
+    """Return the key prefix if it is empty or ``[A-Za-z0-9_.-/]`` without ``//`` or ``..``."""
+    if (
+        not isinstance(prefix, str)
+        or not _PREFIX.fullmatch(prefix)
+        or prefix.startswith("/")
+        or "//" in prefix
+        or ".." in prefix
+    ):
+        raise ConfigurationError(
+            f"prefix must be up to 512 chars of [A-Za-z0-9_.-/], not starting with '/' and "
+            f"without '//' or '..', got {prefix!r}"
+        )
+    return prefix
+
+
+def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
+    """Split an S3 URL into ``(endpoint, bucket, keyword options)``."""
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        # Not the URL nor the error: an unencoded '/' in a secret key shows up as the port.
+        raise ConfigurationError(
+            "bad S3 URL: its host or port does not parse (percent-encode a secret key: "
+            "'/' as %2F, '+' as %2B)"
+        ) from None
+    if parts.scheme not in _SCHEMES:
+        raise ConfigurationError(f"an S3 URL starts with s3:// or s3+http://, got {shown}")
+    if not parts.hostname:
+        raise ConfigurationError(f"the S3 URL {shown} names no host")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    endpoint = host if port is None else f"{host}:{port}"
+    bucket, _, prefix = parts.path.lstrip("/").partition("/")
+    if not bucket:
+        raise ConfigurationError(f"the S3 URL {shown} names no bucket (s3://host/bucket)")
+    options: dict[str, Any] = {"secure": _SCHEMES[parts.scheme]}
+    if prefix:
+        options["prefix"] = unquote(prefix)
+    if parts.username:
+        options["access_key"] = unquote(parts.username)
+    if parts.password:
+        options["secret_key"] = unquote(parts.password)
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        options[key] = _option(key, value, shown)
+    return endpoint, bucket, options
+
+
+def _option(key: str, value: str, shown: str) -> Any:
+    if key in _TEXT or key == "prefix":
+        return value
+    if key in _SECONDS:
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigurationError(f"{key} in {shown} must be seconds, got {value!r}") from None
+    if key in _FLAGS:
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise ConfigurationError(f"{key} in {shown} must be true or false, got {value!r}")
+    known = ", ".join(sorted((*_TEXT, *_SECONDS, *_FLAGS, "prefix")))
+    raise ConfigurationError(f"unknown option {key!r} in {shown}; known: {known}")

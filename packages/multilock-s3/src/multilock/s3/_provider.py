@@ -1,0 +1,357 @@
+"""`S3Provider`: one JSON object per group in an S3 bucket, written only conditionally.
+
+Guarantees: the object ``<prefix><group>.json`` holds ``participant``, ``token``,
+``metadata``, ``acquired_at``, ``lease`` and ``state`` (held or free). It is created with
+``If-None-Match: *`` and every later write (renew, take-over, release) carries
+``If-Match: <etag>`` of the version the writer checked, so of many concurrent writers
+exactly one wins and the rest get 412. S3 has no expiry, so expiry is judged by
+*observed time*: this provider treats a held record as expired only once it has seen the
+same ETag unchanged for a full lease on its own ``time.monotonic()`` clock (timed from when
+the read or write that showed the ETag came back). Timestamps written by other hosts are
+never compared with the local clock. Each write stores a fresh random ``write`` id, so
+every write makes a new ETag. A new term gets ``token + 1``; release writes a free
+record that keeps the token, so tokens rise across release, expiry and restarts of every
+participant, as long as the object is not deleted. The holder renews with ``If-Match`` of
+the ETag it last wrote (a 412 means it lost the term), and its own acquire of a live term
+extends it and returns the same token.
+
+A follower of a crashed leader takes over between one lease and one lease plus one
+``poll_interval`` after the leader's last write; a fresh provider must watch an object for
+a full lease before it calls a held record expired. ``watch`` polls: it yields when the
+holder changes and exactly when the lease it observes becomes due, never on a renewal.
+
+Failure modes: network errors, timeouts and unexpected answers raise `ProviderError`
+(the cause chained, no credential or signature in the message). Every request is bounded
+by ``timeout`` and never retried here. A write whose reply is lost makes the next renew
+of that term re-read the object, so a lost reply does not end a live term. A cancelled
+call waits for its request to finish; a cancelled acquire that won a new term gives it up
+at once (unless the cancel came after the request had already returned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import urllib3
+from minio.error import MinioException
+
+from multilock.core import (
+    ConfigurationError,
+    LeaderInfo,
+    Provider,
+    ProviderError,
+    validate_metadata,
+    validate_name,
+)
+from multilock.core._names import to_seconds
+
+from ._config import check_bucket, check_prefix, parse_url
+from ._record import Seen, check_record, check_token, info, make_record
+from ._store import BadResponse, Store, strip_query
+
+__all__ = ["S3Provider"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_FAILURES = (urllib3.exceptions.HTTPError, OSError, MinioException, BadResponse, ValueError)
+_EXPIRY_SLACK = 0.005  # wake just after the observed lease ends, so it is judged expired
+
+
+class S3Provider(Provider):
+    """Keep leases in ``bucket`` at ``endpoint`` (``host[:port]``), one object per group.
+
+    Credentials are ``access_key``/``secret_key`` (plus ``session_token``), or a minio
+    ``credentials`` provider; none means anonymous requests. ``secure`` picks HTTPS,
+    ``cert_check`` and ``ca_certs`` configure its certificate check. ``timeout`` bounds each
+    request (connect and read); ``poll_interval`` is how often ``watch`` reads the object.
+    ``create_bucket`` makes the bucket on first use when it is missing.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        *,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        session_token: str | None = None,
+        credentials: Any = None,
+        region: str | None = None,
+        prefix: str = "multilock/",
+        secure: bool = True,
+        cert_check: bool = True,
+        ca_certs: str | None = None,
+        timeout: float | timedelta = 5.0,
+        poll_interval: float | timedelta = 1.0,
+        create_bucket: bool = False,
+    ) -> None:
+        self._bucket = check_bucket(bucket)
+        self._prefix = check_prefix(prefix)
+        self._timeout = to_seconds(timeout, "timeout")
+        self._poll = to_seconds(poll_interval, "poll_interval")
+        self._secret = secret_key or ""
+        self._where = f"{'https' if secure else 'http'}://{endpoint}/{self._bucket}"
+        try:
+            self._store = Store(
+                endpoint,
+                self._bucket,
+                access_key=access_key,
+                secret_key=secret_key,
+                session_token=session_token,
+                region=region,
+                secure=secure,
+                cert_check=cert_check,
+                ca_certs=ca_certs,
+                timeout=self._timeout,
+                credentials=credentials,
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"bad S3 endpoint {endpoint!r}: {exc}") from None
+        self._bucket_ready = not create_bucket
+        self._lock = threading.Lock()
+        #: group -> (etag, monotonic time it was first seen): the observed-time clock.
+        self._seen: dict[str, tuple[str, float]] = {}
+        #: group -> (participant, token, acquired_at, ETag of this provider's last write).
+        self._mine: dict[str, tuple[str, int, str, str]] = {}
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> S3Provider:
+        """Build from ``s3://[key:secret@]host[:port]/bucket[/prefix/]?option=value``.
+
+        ``s3://`` uses HTTPS, ``s3+http://`` plain HTTP. Query options: ``region``,
+        ``session_token``, ``timeout``, ``poll_interval``, ``cert_check``, ``ca_certs``,
+        ``create_bucket``. Keyword arguments win over the URL.
+        """
+        endpoint, bucket, options = parse_url(url)
+        return cls(endpoint, bucket, **{**options, **kwargs})
+
+    def __repr__(self) -> str:
+        return f"<S3Provider {self._where} prefix={self._prefix!r}>"
+
+    @property
+    def requests_sent(self) -> int:
+        """How many HTTP requests this provider has sent to the store (for metrics)."""
+        return self._store.requests
+
+    def _key(self, group: str) -> str:
+        return f"{self._prefix}{group}.json"
+
+    def _error(self, op: str, exc: BaseException) -> ProviderError:
+        detail = strip_query(str(exc).strip()) or type(exc).__name__
+        if self._secret:
+            detail = detail.replace(self._secret, "***")
+        return ProviderError(f"s3 {op} failed on {self._where}: {type(exc).__name__}: {detail}")
+
+    async def _call(
+        self, op: str, fn: Callable[..., T], *args: Any, cancel: threading.Event | None = None
+    ) -> T:
+        """Run blocking *fn* in a worker thread; on cancel, set *cancel* and let it finish."""
+        if self._closed:
+            raise ProviderError(f"{self!r} is closed")
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(None, functools.partial(self._guarded, op, fn, *args))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if cancel is not None:
+                cancel.set()
+            # So the store is settled when the cancel returns (bounded by ``timeout``).
+            await asyncio.wait([future])
+            raise
+
+    def _guarded(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            if not self._bucket_ready:
+                self._store.ensure_bucket()
+                self._bucket_ready = True
+            return fn(*args)
+        except _FAILURES as exc:
+            raise self._error(op, exc) from exc
+
+    # -- observed time -----------------------------------------------------------------
+
+    def _read(self, group: str) -> Seen | None:
+        """Read *group*'s object (None: it does not exist) and note when its ETag was new."""
+        found = self._store.get(self._key(group))
+        if found is None:
+            return None
+        return Seen(found[0], check_record(found[1]), self._observe(group, found[0]))
+
+    def _observe(self, group: str, etag: str) -> float:
+        now = time.monotonic()
+        with self._lock:
+            seen = self._seen.get(group)
+            if seen is None or seen[0] != etag:
+                self._seen[group] = seen = (etag, now)
+            return seen[1]
+
+    def _write(self, group: str, record: dict[str, Any], if_match: str | None) -> str | None:
+        """Write *record* conditionally; remember the new ETag as this term's last write."""
+        record = {**record, "write": uuid.uuid4().hex}  # every write makes a new ETag
+        with self._lock:
+            self._mine.pop(group, None)  # if the reply is lost, the next renew re-reads
+        etag = self._store.put(self._key(group), record, if_match=if_match)
+        if etag is not None:
+            self._observe(group, etag)
+            if record["state"] == "held":
+                term = (record["participant"], record["token"], record["acquired_at"], etag)
+                with self._lock:
+                    self._mine[group] = term
+        return etag
+
+    # -- the provider interface ------------------------------------------------------
+
+    async def try_acquire(
+        self,
+        group: str,
+        participant_id: str,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> LeaderInfo | None:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        lease = to_seconds(lease_duration, "lease_duration")
+        meta = validate_metadata(metadata)
+        cancelled = threading.Event()
+        return await self._call(
+            "try_acquire",
+            self._acquire,
+            *(group, participant_id, lease, meta, cancelled),
+            cancel=cancelled,
+        )
+
+    def _acquire(
+        self,
+        group: str,
+        participant_id: str,
+        lease: float,
+        meta: dict[str, str],
+        cancelled: threading.Event,
+    ) -> LeaderInfo | None:
+        seen = self._read(group)
+        now = datetime.now(UTC).isoformat()
+        if seen is None:
+            token, acquired_at, new_term = 1, now, True
+        elif not seen.live():
+            token, acquired_at, new_term = int(seen.record["token"]) + 1, now, True
+        elif seen.record.get("participant") == participant_id:
+            token, acquired_at, new_term = (
+                int(seen.record["token"]),
+                seen.record["acquired_at"],
+                False,
+            )
+        else:
+            return None
+        record = make_record("held", participant_id, token, lease, meta, str(acquired_at))
+        written = self._write(group, record, None if seen is None else seen.etag)
+        if written is None:
+            return None
+        if cancelled.is_set() and new_term:
+            # The caller was cancelled and will never learn of this term: end it now.
+            log.debug("try_acquire of %s was cancelled after it won; releasing", group)
+            self._write(group, {**record, "state": "free"}, written)
+            return None
+        return info(record)
+
+    async def renew(
+        self,
+        group: str,
+        participant_id: str,
+        token: int,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> bool:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        lease = to_seconds(lease_duration, "lease_duration")
+        meta = validate_metadata(metadata)
+        token = check_token(token)
+        return await self._call("renew", self._renew, group, participant_id, token, lease, meta)
+
+    def _renew(
+        self, group: str, participant_id: str, token: int, lease: float, meta: dict[str, str]
+    ) -> bool:
+        with self._lock:
+            mine = self._mine.get(group)
+        if mine is not None and mine[:2] == (participant_id, token):
+            acquired_at, etag = mine[2], mine[3]  # a 412 on this ETag means the term is gone
+        else:
+            # Not written by this provider (or the last reply was lost): check the record.
+            seen = self._read(group)
+            if seen is None or not seen.holds(participant_id, token) or not seen.live():
+                return False
+            acquired_at, etag = str(seen.record["acquired_at"]), seen.etag
+        record = make_record("held", participant_id, token, lease, meta, acquired_at)
+        return self._write(group, record, etag) is not None
+
+    async def release(self, group: str, participant_id: str, token: int) -> None:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        token = check_token(token)
+        await self._call("release", self._release, group, participant_id, token)
+
+    def _release(self, group: str, participant_id: str, token: int) -> None:
+        seen = self._read(group)
+        if seen is None or seen.record.get("state") != "held":
+            return
+        if not seen.holds(participant_id, token):
+            return
+        old = seen.record
+        free = make_record("free", participant_id, token, old["lease"], {}, old["acquired_at"])
+        # A 412 means someone else wrote first: then the term was not ours to release.
+        self._write(group, free, seen.etag)
+
+    async def get_leader(self, group: str) -> LeaderInfo | None:
+        validate_name(group, "group")
+        return await self._call("get_leader", self._leader, group)
+
+    def _leader(self, group: str) -> LeaderInfo | None:
+        seen = self._read(group)
+        return info(seen.record) if seen is not None and seen.live() else None
+
+    def watch(self, group: str) -> AsyncIterator[None]:
+        """Yield at once, then whenever the holder (participant, token, state) changes, and
+        exactly when the lease this provider observes is due; poll every ``poll_interval``.
+
+        A renewal changes the ETag but not the holder: it only restarts the observed lease.
+        """
+        validate_name(group, "group")
+        return self._watch(group)
+
+    async def _watch(self, group: str) -> AsyncIterator[None]:
+        holder: object = object()  # nothing seen yet: the first read always yields
+        announced: str | None = None  # the ETag whose observed expiry was yielded
+        while True:
+            seen = await self._call("watch", self._read, group)
+            due: float | None = None
+            now_holder: object = None
+            if seen is not None:
+                record = seen.record
+                now_holder = (record.get("state"), record.get("participant"), record.get("token"))
+                if record.get("state") == "held":
+                    due = seen.since + float(record["lease"])
+            expired = due is not None and time.monotonic() >= due
+            if now_holder != holder or (expired and seen is not None and announced != seen.etag):
+                holder = now_holder
+                announced = seen.etag if expired and seen is not None else announced
+                yield None
+            wait = self._poll
+            if due is not None and not expired:
+                wait = min(wait, due - time.monotonic() + _EXPIRY_SLACK)
+            await asyncio.sleep(max(0.0, wait))
+
+    async def aclose(self) -> None:
+        """Drop the connection pool; later calls raise `ProviderError`. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._store.close()

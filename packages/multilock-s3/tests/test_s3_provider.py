@@ -1,0 +1,141 @@
+"""What `S3Provider` decides without a server: URLs, names, options, errors, redaction.
+
+The tests against a real S3 server (moto) live in ``integration/test_s3.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from urllib.parse import quote
+
+import pytest
+
+from multilock.core import ConfigurationError, ProviderError, from_url
+from multilock.s3 import S3Provider
+from multilock.s3._config import parse_url
+from multilock.s3._store import strip_query
+
+SECRET = "s3cr3t/Key+x"
+ENCODED = quote(SECRET, safe="")
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def test_url_forms() -> None:
+    endpoint, bucket, options = parse_url(
+        "s3://AKIA:s3cr3t%2FKey%2Bx@s3.example.com/leases/app/prod/?region=eu-west-1"
+        "&poll_interval=0.5&timeout=2&cert_check=false&create_bucket=yes"
+    )
+    assert endpoint == "s3.example.com"
+    assert bucket == "leases"
+    assert options == {
+        "secure": True,
+        "prefix": "app/prod/",
+        "access_key": "AKIA",
+        "secret_key": SECRET,
+        "region": "eu-west-1",
+        "poll_interval": 0.5,
+        "timeout": 2.0,
+        "cert_check": False,
+        "create_bucket": True,
+    }
+    endpoint, bucket, options = parse_url("s3+http://127.0.0.1:9000/b-1")
+    assert (endpoint, bucket, options) == ("127.0.0.1:9000", "b-1", {"secure": False})
+    assert parse_url("s3+http://[::1]:9000/bkt")[0] == "[::1]:9000"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://host/bucket",
+        "s3://host",
+        "s3://host/",
+        "s3:///bucket",
+        "s3://host/bucket?nope=1",
+        "s3://host/bucket?timeout=soon",
+        "s3://host/bucket?cert_check=maybe",
+        "s3://host:99999/bucket",
+    ],
+)
+def test_bad_urls_are_rejected(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        parse_url(url)
+
+
+@pytest.mark.parametrize(
+    "url", [f"s3://key:{ENCODED}@host/bucket?nope=1", f"s3://key:{SECRET}@host/bucket"]
+)
+def test_url_errors_do_not_show_the_secret(url: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        from_url(url)
+    assert "s3cr3t" not in str(info.value)
+
+
+@pytest.mark.parametrize("bucket", ["", "ab", "Upper", "has_underscore", "a" * 64, "-a-", "a..b"])
+def test_bad_buckets_are_rejected(bucket: str) -> None:
+    with pytest.raises(ConfigurationError, match="bucket"):
+        S3Provider("host", bucket)
+
+
+@pytest.mark.parametrize("prefix", ["/abs", "a//b", "a/../b", "sp ace/", "ü/"])
+def test_bad_prefixes_are_rejected(prefix: str) -> None:
+    with pytest.raises(ConfigurationError, match="prefix"):
+        S3Provider("host", "bucket", prefix=prefix)
+
+
+def test_durations_are_checked() -> None:
+    with pytest.raises(ConfigurationError, match="poll_interval"):
+        S3Provider("host", "bucket", poll_interval=0)
+    with pytest.raises(ConfigurationError, match="timeout"):
+        S3Provider("host", "bucket", timeout=-1)
+    S3Provider("host", "bucket", timeout=timedelta(seconds=1), poll_interval=timedelta(0, 2))
+
+
+def test_from_url_finds_the_provider_by_scheme() -> None:
+    for scheme in ("s3", "s3+http"):
+        provider = from_url(f"{scheme}://key:{ENCODED}@host:9000/bucket/pre/")
+        assert isinstance(provider, S3Provider)
+        shown = repr(provider)
+        assert "s3cr3t" not in shown
+        assert "bucket" in shown
+        assert "pre/" in shown
+
+
+def test_strip_query_hides_signatures() -> None:
+    text = "Max retries exceeded with url: /b/k.json?X-Amz-Signature=abc&X-Amz-Credential=K (x)"
+    assert "abc" not in strip_query(text)
+    assert "/b/k.json?..." in strip_query(text)
+
+
+async def test_unreachable_server_raises_provider_error_without_secrets() -> None:
+    url = f"s3+http://key:{ENCODED}@127.0.0.1:{closed_port()}/bucket?timeout=1"
+    provider = from_url(url)
+    try:
+        with pytest.raises(ProviderError) as info:
+            await provider.get_leader("g1")
+        message = str(info.value)
+        assert "s3cr3t" not in message
+        assert "X-Amz-Signature" not in message
+        assert info.value.__cause__ is not None
+    finally:
+        await provider.aclose()
+    with pytest.raises(ProviderError, match="closed"):
+        await provider.get_leader("g1")
+
+
+async def test_invalid_names_and_tokens_fail_before_any_request() -> None:
+    provider = S3Provider("127.0.0.1:1", "bucket", secure=False)
+    with pytest.raises(ConfigurationError):
+        await provider.try_acquire("bad name", "p1", 1.0, {})
+    with pytest.raises(ConfigurationError):
+        await provider.renew("g", "p1", True, 1.0, {})
+    with pytest.raises(ConfigurationError):
+        await provider.release("g", "p1", "1")  # type: ignore[arg-type]
+    assert provider.requests_sent == 0
+    await provider.aclose()
