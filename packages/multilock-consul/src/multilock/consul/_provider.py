@@ -1,0 +1,372 @@
+"""`ConsulProvider`: one Consul session per term, holding the KV lock ``<prefix>/<group>``.
+
+Guarantees: each term is a new session (TTL = the lease rounded up to whole seconds, no
+health checks, lock-delay 0, behavior ``delete``) that takes the key with ``PUT
+?acquire=<session>``, an atomic compare-then-act on the Consul servers: one session holds
+a key at a time. With no health checks only the TTL (or an explicit destroy) ends a
+session, and Consul never ends one before its TTL, so the store cannot free the key before
+the holder's own deadline; it may wait up to twice the TTL, which only delays a successor
+after a crash (a liveness cost, never a safety one). The fencing token is the key's
+ModifyIndex right after the acquiring write: a Raft index, which rises with every write to
+the cluster, so a new term's token exceeds every earlier one, across release, expiry and
+restarts of servers that keep their data. Later writes of the same term (metadata) change
+ModifyIndex, so they store the token in the value. Renew renews the session, then checks
+that the key is still held by it with the same token. Release is ``PUT ?release=<session>``
+(with ``cas``), then destroys the session. The holder's own acquire renews its session and
+returns the same term; a lost reply to the acquiring write is recognised because the key's
+``Session`` is ours. Reads use ``?consistent``; ``get_leader`` reports only a key held by
+a live session. ``watch`` runs index-based blocking queries of at most ``watch_wait`` s.
+
+Failure modes: py-consul is blocking, so every call runs in this provider's own worker
+threads; each HTTP request is bounded by ``timeout`` (no retries), a call makes at most
+six. A driver error or timeout raises `ProviderError` (the driver's error as
+``__cause__``, the ACL token scrubbed). A session that vanished (TTL missed, destroyed
+by an operator) makes ``renew`` return False. A cancelled ``try_acquire`` waits
+(bounded) for its worker and gives back a term it took. ``aclose`` leaves live sessions
+alone: destroying one would free a key whose holder still believes it leads until its
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import attrs
+
+import consul  # type: ignore[import-untyped]
+from multilock.core import (
+    ConfigurationError,
+    LeaderInfo,
+    Provider,
+    ProviderError,
+    validate_metadata,
+    validate_name,
+)
+from multilock.core._names import to_seconds
+
+from ._config import (
+    MIN_TTL,
+    Settings,
+    check_token,
+    check_ttl,
+    failures,
+    key_for,
+    parse_address,
+    session_ttl,
+)
+from ._record import encode, holder, leader_info
+
+if TYPE_CHECKING:
+    from multilock.core._options import ElectionOptions
+
+__all__ = ["ConsulProvider"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_CONSISTENT = "consistent"
+
+
+@attrs.define
+class _Term:
+    session: str
+    ttl: int
+
+
+class ConsulProvider(Provider):
+    """Leases as Consul sessions holding KV locks under ``prefix`` (default ``multilock``).
+
+    *address* is ``consul://[:TOKEN@]host[:port][?options]``, ``http(s)://host:port``, or
+    a `consul.Consul` client you made (you close it). Durations are float seconds or a
+    `timedelta`. Leases must be 10 s to 24 h: Consul's session TTL limits.
+    """
+
+    def __init__(
+        self,
+        address: str | Any = "consul://127.0.0.1:8500",
+        /,
+        *,
+        token: str | None = None,
+        dc: str | None = None,
+        prefix: str | None = None,
+        timeout: float | timedelta | None = None,
+        watch_wait: float | timedelta | None = None,
+        verify: bool | str | None = None,
+        cert: Any = None,
+    ) -> None:
+        given = {"token": token, "dc": dc, "prefix": prefix, "timeout": timeout}
+        given |= {"watch_wait": watch_wait, "verify": verify, "cert": cert}
+        keywords = {k: v for k, v in given.items() if v is not None}
+        if isinstance(address, str):
+            self._settings = Settings(**{**parse_address(address), **keywords})
+            self._client = self._settings.client()
+            self._owns_client = True
+        else:
+            http = address.http
+            self._settings = Settings(
+                host=http.host,
+                port=http.port,
+                scheme=http.scheme,
+                **{"token": address.token} | keywords,
+            )
+            self._client = address
+            self._owns_client = False
+        self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="multilock-consul")
+        self._terms: dict[tuple[str, str], _Term] = {}
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._guard = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> ConsulProvider:
+        """Build from a ``consul://`` URL; keyword arguments win over its query string."""
+        return cls(url, **kwargs)
+
+    @property
+    def prefix(self) -> str:
+        return self._settings.prefix
+
+    def __repr__(self) -> str:
+        return f"<ConsulProvider {self._settings.where} prefix={self._settings.prefix!r}>"
+
+    def check_options(self, options: ElectionOptions) -> None:
+        if options.lease_duration < MIN_TTL:
+            raise ConfigurationError(
+                f"lease_duration={options.lease_duration:g} s is too short for Consul: a "
+                f"session TTL is at least {MIN_TTL} s, so use lease_duration >= {MIN_TTL}"
+            )
+        session_ttl(options.lease_duration)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _error(self, op: str, exc: BaseException) -> ProviderError:
+        detail = self._settings.scrub(str(exc).strip()) or type(exc).__name__
+        return ProviderError(f"consul {op} failed on {self._settings.where}: {detail}")
+
+    def _submit(self, op: str, fn: Callable[..., T], *args: Any) -> Future[T]:
+        if self._closed:
+            raise ProviderError(f"{self!r} is closed")
+        return self._executor.submit(self._guarded, op, fn, *args)
+
+    def _guarded(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except ConfigurationError:
+            raise
+        except failures() as exc:
+            raise self._error(op, exc) from exc
+
+    async def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._submit(op, fn, *args))
+
+    def _lock(self, group: str, participant_id: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((group, participant_id), threading.Lock())
+
+    def _read(self, key: str) -> dict[str, Any] | None:
+        _, entry = self._client.kv.get(key, consistency=_CONSISTENT)
+        return entry if isinstance(entry, dict) else None
+
+    def _put(self, key: str, record: dict[str, Any], **condition: Any) -> bool:
+        return bool(self._client.kv.put(key, encode(record), **condition))
+
+    def _destroy(self, term: _Term) -> None:
+        with contextlib.suppress(*failures()):
+            self._client.session.destroy(term.session)
+
+    def _renew_session(self, term: _Term) -> bool:
+
+        try:
+            self._client.session.renew(term.session)
+        except consul.NotFound:
+            return False
+        return True
+
+    # -- the operations, each run in a worker thread ---------------------------------------
+
+    def _acquire(
+        self, group: str, participant_id: str, ttl: int, meta: dict[str, str]
+    ) -> tuple[LeaderInfo | None, bool]:
+        """Return (the term or None, whether this call started it)."""
+        key, name = key_for(self.prefix, group), (group, participant_id)
+        with self._lock(group, participant_id):
+            term = self._terms.get(name)
+            if term is not None:
+                check_ttl(ttl, term.ttl)
+                if not self._renew_session(term):
+                    self._forget(name, term)
+                    term = None
+            entry = self._read(key)
+            if term is not None:
+                if holder(entry) == term.session:
+                    # Our term (maybe after a lost reply): the session renewal extended it.
+                    return self._update(key, entry, meta), False
+                self._forget(name, term)
+            if holder(entry) is not None:
+                return None, False
+            session = self._client.session.create(
+                name=f"multilock {group} {participant_id}"[:200],
+                checks=[],  # no serfHealth: only the TTL may end the session
+                lock_delay=0,
+                behavior="delete",
+                ttl=ttl,
+            )
+            term = self._terms[name] = _Term(session, ttl)
+            record = {"participant": participant_id, "metadata": meta}
+            record["acquired_at"] = datetime.now(UTC).isoformat()
+            if self._put(key, record, acquire=session):
+                entry = self._read(key)
+                if holder(entry) == session:
+                    return leader_info(entry), True
+            self._forget(name, term)
+            return None, False
+
+    def _update(self, key: str, entry: Any, meta: dict[str, str]) -> LeaderInfo | None:
+        """Write new metadata for the holding session's term; None if the key moved."""
+        info = leader_info(entry)
+        if dict(info.metadata) == meta:
+            return info
+        record = {"participant": info.participant_id, "metadata": meta, "token": info.token}
+        record["acquired_at"] = info.acquired_at.isoformat()
+        cas = entry["ModifyIndex"]
+        if not self._put(key, record, acquire=entry["Session"], cas=cas):
+            return None
+        return attrs.evolve(info, metadata=meta)
+
+    def _forget(self, name: tuple[str, str], term: _Term) -> None:
+        if self._terms.get(name) is term:
+            del self._terms[name]
+        self._destroy(term)
+
+    def _renew(self, group: str, participant_id: str, token: int, ttl: int, meta: Any) -> bool:
+        key, name = key_for(self.prefix, group), (group, participant_id)
+        with self._lock(group, participant_id):
+            term = self._terms.get(name)
+            if term is None:
+                return False
+            check_ttl(ttl, term.ttl)
+            if not self._renew_session(term):
+                self._forget(name, term)
+                return False
+            entry = self._read(key)
+            if holder(entry) != term.session:
+                self._forget(name, term)
+                return False
+            if leader_info(entry).token != token:
+                return False
+            return self._update(key, entry, meta) is not None
+
+    def _release(self, group: str, participant_id: str, token: int) -> None:
+        key, name = key_for(self.prefix, group), (group, participant_id)
+        with self._lock(group, participant_id):
+            term = self._terms.get(name)
+            if term is None:
+                return
+            entry = self._read(key)
+            if entry is not None and holder(entry) == term.session:
+                if leader_info(entry).token != token:
+                    return  # not this term: leave it alone
+                value = entry["Value"] if isinstance(entry["Value"], bytes) else b""
+                cas = entry["ModifyIndex"]
+                self._client.kv.put(key, value, release=term.session, cas=cas)
+            self._forget(name, term)
+
+    def _index(self, key: str, index: int, wait: str) -> int:
+        """The key's index once it differs from *index* or *wait* has passed (0: now)."""
+        seen, _ = self._client.kv.get(key, index=index or None, wait=wait)
+        return int(seen)
+
+    def _leader(self, group: str) -> LeaderInfo | None:
+        entry = self._read(key_for(self.prefix, group))
+        return leader_info(entry) if holder(entry) is not None else None
+
+    # -- the Provider interface ----------------------------------------------------------
+
+    async def try_acquire(
+        self,
+        group: str,
+        participant_id: str,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> LeaderInfo | None:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        ttl = session_ttl(to_seconds(lease_duration, "lease_duration"))
+        meta = validate_metadata(metadata)
+        future = self._submit("try_acquire", self._acquire, group, participant_id, ttl, meta)
+        try:
+            info, _ = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            await self._undo(future, group, participant_id)
+            raise
+        return info
+
+    async def _undo(
+        self, future: Future[tuple[LeaderInfo | None, bool]], group: str, participant_id: str
+    ) -> None:
+        """After a cancel: wait (bounded) for the worker; give back a term it started."""
+        if future.cancelled():
+            return  # it never ran
+        bound = self._settings.timeout * 6
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            async with asyncio.timeout(bound):
+                info, started = await asyncio.wrap_future(future)
+                if info is not None and started:
+                    await self._call("release", self._release, group, participant_id, info.token)
+
+    async def renew(
+        self,
+        group: str,
+        participant_id: str,
+        token: int,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> bool:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        ttl = session_ttl(to_seconds(lease_duration, "lease_duration"))
+        meta = validate_metadata(metadata)
+        return await self._call(
+            "renew", self._renew, group, participant_id, check_token(token), ttl, meta
+        )
+
+    async def release(self, group: str, participant_id: str, token: int) -> None:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        await self._call("release", self._release, group, participant_id, check_token(token))
+
+    async def get_leader(self, group: str) -> LeaderInfo | None:
+        validate_name(group, "group")
+        return await self._call("get_leader", self._leader, group)
+
+    def watch(self, group: str) -> AsyncIterator[None]:
+        """Yield once ready, then whenever the key may have changed (blocking queries)."""
+        validate_name(group, "group")
+        return self._watch(key_for(self.prefix, group))
+
+    async def _watch(self, key: str) -> AsyncIterator[None]:
+        wait = f"{max(1, round(self._settings.watch_wait))}s"
+        index = await self._call("watch", self._index, key, 0, wait)
+        yield None
+        while True:
+            seen = await self._call("watch", self._index, key, index, wait)
+            # A smaller index means the servers' state was reset: start over from it.
+            if seen != index:
+                index = seen
+                yield None
+
+    async def aclose(self) -> None:
+        """Stop the workers and close the HTTP session; live sessions are left to expire."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._owns_client:
+            with contextlib.suppress(Exception):
+                self._client.http.session.close()
