@@ -30,7 +30,8 @@ def test_bad_memory_urls(url):
         from_url(url)
 
 
-def test_unknown_scheme_lists_installed_schemes_and_hints_the_package():
+def test_unknown_scheme_lists_installed_schemes_and_hints_the_package(monkeypatch):
+    monkeypatch.setattr(url_module, "_entry_points", lambda: dict(url_module._BUILTIN))
     with pytest.raises(ConfigurationError) as info:
         from_url("consul://user:hunter2@host:8500")
     text = str(info.value)

@@ -504,7 +504,9 @@ class LeaderElection:
     async def _wait_as_follower(self) -> None:
         now = self._clock()
         options = self._options
-        interval = options.lease_duration if self._watch_alive else options.retry_interval
+        # With a working watch the store wakes us (on release, and when the lease we saw
+        # expires); the timer is only a safety net, and must not double the idle cost.
+        interval = 2 * options.lease_duration if self._watch_alive else options.retry_interval
         await self._sleep_until(now + _jitter(interval), self._wake)
         self._wake.clear()
 
