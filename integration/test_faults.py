@@ -40,7 +40,7 @@ def failover_bound(backend: Backend) -> float:
 
 
 #: A graceful stop or resign hands over within this long (filesystem followers poll).
-HANDOFF_BOUND = {"filesystem": 1.5}
+HANDOFF_BOUND = {"filesystem": 1.5, "azure_blob": 2.5}  # polling backends: one poll
 HANDOFF_DEFAULT = 0.5
 #: Three interpreters importing the library on a loaded machine.
 STARTUP_TIMEOUT = 30.0

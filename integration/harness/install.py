@@ -24,6 +24,7 @@ __all__ = [
     "etcd_binary",
     "etcdctl_binary",
     "install_apt",
+    "azurite_dir",
     "install_azurite",
     "missing_apt_packages",
     "postgres_bindir",
@@ -177,6 +178,12 @@ def install_apt(packages: list[str]) -> bool:
     return True
 
 
+def azurite_dir() -> Path:
+    """Where Azurite is (or is to be) installed with npm: $MULTILOCK_AZURITE_DIR or a cache."""
+    configured = os.environ.get("MULTILOCK_AZURITE_DIR", "").strip()
+    return Path(configured) if configured else Path.home() / ".cache" / "multilock" / "azurite"
+
+
 def azurite_binary(cache_dir: Path) -> Path:
     """Where `install_azurite` puts ``azurite-blob``."""
     return cache_dir / "node_modules" / ".bin" / "azurite-blob"
@@ -213,10 +220,12 @@ def install_azurite(cache_dir: Path) -> Path | None:
 
 def main() -> int:
     missing = missing_apt_packages()
-    if not missing:
+    if missing:
+        install_apt(missing)
+    else:
         print("install: all server binaries are present")
-        return 0
-    install_apt(missing)
+    if shutil.which("azurite-blob") is None:
+        install_azurite(azurite_dir())
     return 0
 
 

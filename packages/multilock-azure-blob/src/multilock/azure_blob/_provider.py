@@ -1,0 +1,278 @@
+"""`AzureBlobProvider`: one blob per group, held by a blob lease; followers poll.
+
+Guarantees: the holder of a group is whoever holds the blob's *lease*, judged by Azure's
+clock alone; the blob's JSON record (participant, token, metadata, acquired_at) is written
+with ``If-Match`` on the ETag just read, so every write is one compare-then-act. A new
+term writes ``token + 1`` on the free blob, then takes the lease with ``If-Match`` on the
+ETag of that very write: a leased blob's record always names the lease's holder, and of
+racing candidates only one gets both steps through. From then on writes need the lease id
+(Azure refuses others with 412): renew rewrites the record, release writes it free
+(keeping the token) and releases the lease. Tokens rise across release, expiry and
+restarts of this process, for as long as the blob exists. ``get_leader`` reads the lease
+status with the record and reports nobody unless the blob is leased: a stale record is
+never a leader.
+
+Lease ids are ``uuid5(<random per provider>, group/participant)``: the same provider and
+participant always propose the same id, so an acquire retried after a lost reply is
+recognised by Azure (acquiring an active lease with its own id extends it) and continues
+the same term (also when the lease lapsed in the instant between the read and the retry
+and nobody took it: no one else led in between). A cancelled acquire gives back the lease
+it may have taken.
+
+Failure modes: every driver error or timeout raises `ProviderError` (credentials
+scrubbed), with no driver retries (the core owns retries); 409/412 answers mean "someone
+else holds it" and give None / False. Azure leases last 15 to 60 whole seconds: lease
+durations are rounded up to whole seconds, shorter ones are refused, longer ones (only
+possible when calling the provider directly) take an *infinite* lease, ended only by a
+release. Deleting the blob resets its token. Azure cannot notify: `watch` polls (see there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from azure.core.exceptions import HttpResponseError
+
+from multilock.core import (
+    ConfigurationError,
+    LeaderInfo,
+    Provider,
+    validate_metadata,
+    validate_name,
+)
+from multilock.core._names import to_seconds
+
+from ._config import (
+    parse_url,
+    seconds,
+    validate_container,
+    validate_prefix,
+)
+from ._record import MAX_LEASE, MIN_LEASE, Record, check_token, lease_seconds, tag
+from ._store import BlobStore
+
+if TYPE_CHECKING:
+    from multilock.core import ElectionOptions
+
+__all__ = ["AzureBlobProvider"]
+
+log = logging.getLogger(__name__)
+
+_EXPIRY_SLACK = 0.05  # poll just after the lease seen must have ended
+
+
+class AzureBlobProvider(Provider):
+    """Keep one leased blob per group in *container* (created if missing).
+
+    Give ``connection_string`` or ``account_url`` (with ``credential``: an account key,
+    a SAS token, an ``AzureNamedKeyCredential`` or an azure-identity async credential).
+    Blobs are named ``prefix + group``. ``poll_interval`` paces `watch`; ``timeout``
+    bounds each request. Other keywords go to azure-storage-blob's ``ContainerClient``
+    (e.g. ``api_version``). Durations are float seconds or `timedelta`.
+    """
+
+    def __init__(
+        self,
+        container: str = "multilock",
+        *,
+        connection_string: str | None = None,
+        account_url: str | None = None,
+        credential: Any = None,
+        prefix: str = "multilock/",
+        poll_interval: float | timedelta | str = 2.0,
+        timeout: float | timedelta | str = 10.0,
+        **client_kwargs: Any,
+    ) -> None:
+        validate_container(container)
+        self._prefix = validate_prefix(prefix)
+        self._poll = seconds(poll_interval, "poll_interval")
+        self._store = BlobStore(
+            container,
+            connection_string=connection_string,
+            account_url=account_url,
+            credential=credential,
+            prefix=self._prefix,
+            timeout=seconds(timeout, "timeout"),
+            client_kwargs=client_kwargs,
+        )
+        self._namespace = uuid.uuid4()  # makes lease ids unique to this provider
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> AzureBlobProvider:
+        """Build from ``azureblob://<account>.blob.core.windows.net/<container>?...``.
+
+        See `multilock.azure_blob._config` for the forms; keywords win over the URL.
+        """
+        return cls(**parse_url(url, kwargs))
+
+    def __repr__(self) -> str:
+        return f"<AzureBlobProvider {self._store.where} prefix={self._prefix!r}>"
+
+    def check_options(self, options: ElectionOptions) -> None:
+        """Refuse leases Azure cannot hold: 15 to 60 s (rounded up to whole seconds)."""
+        lease = to_seconds(options.lease_duration, "lease_duration")
+        if not MIN_LEASE <= math.ceil(lease) <= MAX_LEASE or lease < MIN_LEASE:
+            raise ConfigurationError(
+                f"lease_duration={lease:g} s is out of range for Azure Blob: blob leases "
+                f"last {MIN_LEASE} to {MAX_LEASE} s (rounded up to whole seconds)"
+            )
+
+    def _lease_id(self, group: str, participant: str) -> str:
+        return str(uuid.uuid5(self._namespace, f"{group}/{participant}"))
+
+    # -- the provider interface -------------------------------------------------------------
+
+    async def try_acquire(
+        self,
+        group: str,
+        participant_id: str,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> LeaderInfo | None:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        lease = to_seconds(lease_duration, "lease_duration")
+        seconds = lease_seconds(lease)
+        meta = validate_metadata(metadata)
+        await self._store.ensure_container()
+        record = await self._store.read(group)
+        if record.etag is None:
+            await self._store.create(group, record)
+            record = await self._store.read(group)
+        assert record.etag is not None
+        lease_id = self._lease_id(group, participant_id)
+        mine = tag(lease_id)
+        same_term = record.locked and record.participant == participant_id and record.lease == mine
+        if record.locked and not same_term:
+            return None  # held by someone else: no request that would only fail
+        try:
+            if same_term:  # ours already (a retry after a lost reply): extend it
+                if not await self._store.take_lease(group, lease_id, seconds, record.etag):
+                    return None
+                new = attrs.evolve(record, metadata=meta, lease_duration=lease)
+                await self._store.write(group, new, lease_id, record.etag)
+            else:
+                # Record first, then the lease on exactly that record: a leased blob's
+                # record always names its holder.
+                now = datetime.now(UTC).isoformat()
+                new = Record(participant_id, record.token + 1, meta, now, mine, lease)
+                etag = await self._store.write(group, new, None, record.etag)
+                if not await self._store.take_lease(group, lease_id, seconds, etag):
+                    return None
+        except asyncio.CancelledError:
+            # Leave nothing behind: give back the lease this call may have taken.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._store.timeout):
+                    await asyncio.shield(self._store.give_back(group, lease_id))
+            raise
+        except HttpResponseError:  # 412: the blob changed under us: someone else's term
+            return None
+        return new.info()
+
+    async def renew(
+        self,
+        group: str,
+        participant_id: str,
+        token: int,
+        lease_duration: float,
+        metadata: Mapping[str, str],
+    ) -> bool:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        token = check_token(token)
+        lease = to_seconds(lease_duration, "lease_duration")
+        seconds = lease_seconds(lease)
+        meta = validate_metadata(metadata)
+        lease_id = self._lease_id(group, participant_id)
+        record = await self._store.read(group)
+        if not self._holds(record, participant_id, token, lease_id):
+            return False
+        assert record.etag is not None
+        if not await self._store.take_lease(group, lease_id, seconds, record.etag):
+            return False
+        # Written on every renew: the new ETag tells watchers the lease was extended.
+        new = attrs.evolve(record, metadata=meta, lease_duration=lease)
+        try:
+            await self._store.write(group, new, lease_id, record.etag)
+        except HttpResponseError:
+            return False
+        return True
+
+    async def release(self, group: str, participant_id: str, token: int) -> None:
+        validate_name(group, "group")
+        validate_name(participant_id, "participant_id")
+        token = check_token(token)
+        lease_id = self._lease_id(group, participant_id)
+        record = await self._store.read(group)
+        if not self._holds(record, participant_id, token, lease_id):
+            return
+        assert record.etag is not None
+        free = Record(token=record.token)
+        try:
+            await self._store.write(group, free, lease_id, record.etag)
+        except HttpResponseError:
+            return  # not ours any more
+        await self._store.give_back(group, lease_id)
+
+    @staticmethod
+    def _holds(record: Record, participant_id: str, token: int, lease_id: str) -> bool:
+        return (
+            record.locked
+            and record.participant == participant_id
+            and record.token == token
+            and record.lease == tag(lease_id)
+        )
+
+    async def get_leader(self, group: str) -> LeaderInfo | None:
+        validate_name(group, "group")
+        record = await self._store.read(group)
+        if not record.locked or record.participant is None:
+            return None  # a record without a live lease is history, not a leader
+        return record.info()
+
+    def watch(self, group: str) -> AsyncIterator[None]:
+        """Poll every ``poll_interval``; yield once at the start, then when the leader or
+        lease status changes, and when the lease seen is due to expire.
+
+        Expiry is tracked on the local monotonic clock: each renew rewrites the record, so
+        a lease whose record (ETag) stayed the same for ``lease_duration`` since this
+        watch first saw it has ended; the watch polls right then and yields.
+        """
+        validate_name(group, "group")
+        return self._watch(group)
+
+    async def _watch(self, group: str) -> AsyncIterator[None]:
+        yield None
+        last: tuple[bool, str | None, int] | None = None
+        seen: tuple[str | None, bool] | None = None
+        due = math.inf
+        while True:
+            record = await self._store.read(group)
+            now = time.monotonic()
+            state = (record.locked, record.participant, record.token)
+            if (record.etag, record.locked) != seen:
+                seen = (record.etag, record.locked)
+                # Written no later than now, so the lease behind it ends by now + lease.
+                due = now + record.lease_duration if record.locked else math.inf
+            if last is not None and state != last:
+                last = state
+                yield None
+            elif record.locked and now >= due:
+                due = now + record.lease_duration  # renewed without a write: wait one more
+                yield None
+            last = state
+            wake = min(now + self._poll, due + _EXPIRY_SLACK)
+            await asyncio.sleep(max(wake - time.monotonic(), 0.0))
+
+    async def aclose(self) -> None:
+        """Close the HTTP session; later calls raise. Idempotent."""
+        await self._store.aclose()
