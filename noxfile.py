@@ -10,6 +10,7 @@ Sessions:
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import quote
 
 import nox
 
@@ -32,6 +33,11 @@ DEV = [
     "flask",
     "flask-cors",
 ]
+
+#: Azurite's published development key (not a secret: every Azurite accepts it).
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
 
 nox.options.sessions = ["ci"]
 nox.options.reuse_existing_virtualenvs = True
@@ -87,7 +93,10 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def compose(session: nox.Session) -> None:
-    """The integration suite against ``docker compose up`` (needs a Docker engine)."""
+    """The integration suite against ``docker compose up`` (needs a Docker engine).
+
+    Every backend, Consul and SQL Server included, then runs against the compose services.
+    """
     _install_all(session)
     session.run("docker", "compose", "up", "-d", "--wait", external=True)
     env = {
@@ -96,6 +105,17 @@ def compose(session: nox.Session) -> None:
             f"redis://127.0.0.1:{port}/0" for port in (16379, 16380, 16381)
         ),
         "MULTILOCK_TEST_POSTGRES_URL": "postgresql://postgres:multilock@127.0.0.1:15432/postgres",
+        "MULTILOCK_TEST_ETCD_URL": "etcd://127.0.0.1:12379",
+        "MULTILOCK_TEST_ZOOKEEPER_URL": "zookeeper://127.0.0.1:12181",
+        "MULTILOCK_TEST_CONSUL_URL": "consul://127.0.0.1:18500",
+        "MULTILOCK_TEST_S3_URL": (
+            "s3+http://multilock:multilock-secret@127.0.0.1:19000/multilock?poll_interval=0.2"
+        ),
+        "MULTILOCK_TEST_AZURE_BLOB_URL": (
+            f"azureblob://devstoreaccount1:{quote(AZURITE_KEY, safe='')}@127.0.0.1:10000"
+            "/devstoreaccount1/multilock?secure=false"
+        ),
+        "MULTILOCK_TEST_SQLSERVER_URL": "mssql://sa:Multilock-Test-1@127.0.0.1:11433/master",
     }
     try:
         session.run("pytest", "integration", *session.posargs, env=env)

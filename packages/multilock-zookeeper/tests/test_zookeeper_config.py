@@ -1,0 +1,111 @@
+"""What needs no server: URLs, options, names, ordering, redaction, closed ports."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+
+from multilock.core import ConfigurationError, ElectionOptions, ProviderError, from_url
+from multilock.zookeeper import ZooKeeperProvider
+from multilock.zookeeper._config import parse_url
+from multilock.zookeeper._nodes import ordered, token_of
+
+SECRET = "s3cr%40t"  # percent-encoded "s3cr@t"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def test_url_forms() -> None:
+    target, options = parse_url(
+        "zookeeper://h1:2181,h2:2182/app/chroot?root=/x/y&session_timeout=3"
+    )
+    assert target.hosts == "h1:2181,h2:2182/app/chroot"
+    assert target.auth is None
+    assert options == {"root": "/x/y", "session_timeout": 3.0}
+    target, _ = parse_url("zk://h1")
+    assert target.hosts == "h1"
+    target, _ = parse_url(f"zookeeper://user:{SECRET}@h1:2181/")
+    assert target.auth == "user:s3cr@t"
+    assert "s3cr" not in target.shown
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "zookeeper://",
+        "zookeeper://h1,,h2",
+        "zookeeper://h1/a//b",
+        "zookeeper://h1/zookeeper",
+        "zookeeper://h1?nope=1",
+        "zookeeper://h1?session_timeout=soon",
+        "zookeeper://h1?session_timeout=-1",
+        "zookeeper://h1?root=relative",
+        "zookeeper://h1?root=/trailing/",
+        "zookeeper://user@h1",
+        "redis://h1",
+    ],
+)
+def test_bad_urls_are_rejected(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        ZooKeeperProvider.from_url(url)
+
+
+def test_from_url_finds_both_schemes_and_keywords_win() -> None:
+    provider = from_url("zookeeper://h1:2181?root=/a", root="/b")
+    assert isinstance(provider, ZooKeeperProvider)
+    assert provider._settings.root == "/b"
+    assert isinstance(from_url("zk://h1"), ZooKeeperProvider)
+    provider = ZooKeeperProvider("h1", operation_timeout=timedelta(seconds=2))
+    assert provider._settings.operation_timeout == 2.0
+
+
+def test_credentials_never_shown() -> None:
+    provider = from_url(f"zookeeper://user:{SECRET}@h1:2181")
+    assert "s3cr" not in repr(provider)
+
+
+def test_candidates_are_ordered_by_sequence_not_by_name() -> None:
+    names = ["zzz-a-0000000001", "aaa-b-0000000007", "mmm-c-0000000003", "not-a-candidate"]
+    assert [name for _, name in ordered(names)] == [names[0], names[2], names[1]]
+    assert token_of("x-0000000000") == 1  # tokens are sequence numbers plus one
+    assert token_of("short") is None
+
+
+async def test_names_are_checked_before_any_io() -> None:
+    provider = ZooKeeperProvider(f"127.0.0.1:{closed_port()}", connect_timeout=0.5)
+    with pytest.raises(ConfigurationError):
+        await provider.try_acquire("bad/group", "p1", 5.0, {})
+    with pytest.raises(ConfigurationError):
+        await provider.get_leader("")
+    with pytest.raises(ConfigurationError):
+        provider.watch("a b")
+    await provider.aclose()
+
+
+async def test_unreachable_server_raises_provider_error_in_bounded_time() -> None:
+    provider = ZooKeeperProvider(f"127.0.0.1:{closed_port()}", connect_timeout=0.5)
+    with pytest.raises(ProviderError) as caught:
+        await provider.get_leader("g")
+    assert caught.value.__cause__ is not None
+    await provider.aclose()
+    await provider.aclose()
+    with pytest.raises(ProviderError, match="closed"):
+        await provider.get_leader("g")
+
+
+def test_check_options_holds_session_timeout_to_the_lease() -> None:
+    provider = ZooKeeperProvider("h1", session_timeout=5.0)
+    with pytest.raises(ConfigurationError, match="session timeout"):
+        provider.check_options(ElectionOptions(lease_duration=3.0))
+    provider.check_options(ElectionOptions(lease_duration=5.0))
+    following = ZooKeeperProvider("h1")
+    following.check_options(ElectionOptions(lease_duration=4.0))
+    following.check_options(ElectionOptions(lease_duration=3.0))
+    assert following._lease_hint == 3.0  # the session will time out within every lease
