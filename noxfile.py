@@ -29,6 +29,7 @@ DEV = [
     "hatchling>=1.25",
     "packaging>=24",
     "testcontainers>=4.8",
+    "psycopg[binary,pool]>=3.2.4",  # multilock-postgres' optional extras, for mypy and tests
     "moto[s3]>=5",  # the S3 server of the integration tests
     "flask",
     "flask-cors",

@@ -12,6 +12,7 @@ Standard library only, so it runs before anything else is installed.
 
 from __future__ import annotations
 
+import ctypes.util
 import glob
 import os
 import shutil
@@ -104,6 +105,16 @@ def etcdctl_binary() -> Path | None:
     return _which("etcdctl", "/usr/bin/etcdctl", "/usr/local/bin/etcdctl")
 
 
+def odbc_manager() -> str | None:
+    """unixODBC's driver manager, which pyodbc loads (multilock-sqlserver's driver tests)."""
+    return ctypes.util.find_library("odbc")
+
+
+def freetds_driver() -> Path | None:
+    """FreeTDS's ODBC driver, one SQL Server driver the sqlserver tests can load."""
+    return next(iter(sorted(Path("/usr/lib").glob("*/odbc/libtdsodbc.so"))), None)
+
+
 #: apt package -> how to tell it is installed.
 APT_PACKAGES: dict[str, Callable[[], object]] = {
     "redis-server": redis_server_binary,
@@ -111,6 +122,8 @@ APT_PACKAGES: dict[str, Callable[[], object]] = {
     "zookeeper": zookeeper_classpath,
     "etcd-server": etcd_binary,
     "etcd-client": etcdctl_binary,
+    "unixodbc": odbc_manager,
+    "tdsodbc": freetds_driver,
 }
 AZURITE_VERSION = "3.35.0"  # 3.37 needs Node 22
 APT_TIMEOUT = 900
