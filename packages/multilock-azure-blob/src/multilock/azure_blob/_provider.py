@@ -46,7 +46,6 @@ from multilock.core import (
     ConfigurationError,
     LeaderInfo,
     Provider,
-    validate_metadata,
     validate_name,
 )
 from multilock.core._names import to_seconds
@@ -138,11 +137,9 @@ class AzureBlobProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
+        lease = lease_duration
         seconds = lease_seconds(lease)
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         await self._store.ensure_container()
         record = await self._store.read(group)
         if record.etag is None:
@@ -186,12 +183,10 @@ class AzureBlobProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         token = check_token(token)
-        lease = to_seconds(lease_duration, "lease_duration")
+        lease = lease_duration
         seconds = lease_seconds(lease)
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         lease_id = self._lease_id(group, participant_id)
         record = await self._store.read(group)
         if not self._holds(record, participant_id, token, lease_id):
@@ -208,8 +203,6 @@ class AzureBlobProvider(Provider):
         return True
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         token = check_token(token)
         lease_id = self._lease_id(group, participant_id)
         record = await self._store.read(group)
@@ -233,7 +226,6 @@ class AzureBlobProvider(Provider):
         )
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         record = await self._store.read(group)
         if not record.locked or record.participant is None:
             return None  # a record without a live lease is history, not a leader

@@ -46,7 +46,6 @@ from multilock.core import (
     LeaderInfo,
     Provider,
     ProviderError,
-    validate_metadata,
     validate_name,
 )
 from multilock.core._names import to_seconds
@@ -295,10 +294,8 @@ class ConsulProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         ttl = session_ttl(to_seconds(lease_duration, "lease_duration"))
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         future = self._submit("try_acquire", self._acquire, group, participant_id, ttl, meta)
         try:
             info, _ = await asyncio.wrap_future(future)
@@ -328,21 +325,16 @@ class ConsulProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         ttl = session_ttl(to_seconds(lease_duration, "lease_duration"))
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         return await self._call(
             "renew", self._renew, group, participant_id, check_token(token), ttl, meta
         )
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         await self._call("release", self._release, group, participant_id, check_token(token))
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         return await self._call("get_leader", self._leader, group)
 
     def watch(self, group: str) -> AsyncIterator[None]:

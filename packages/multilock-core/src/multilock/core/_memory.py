@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from ._errors import ConfigurationError
-from ._names import to_seconds, validate_metadata, validate_name
+from ._names import validate_name
 from ._provider import Provider
 from ._types import LeaderInfo
 
@@ -95,10 +95,8 @@ class InMemoryProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease_duration = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease_duration = lease_duration
+        meta = dict(metadata)
         with self._store.lock:
             now = self._clock()
             lease = self._live(group, now)
@@ -128,10 +126,8 @@ class InMemoryProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease_duration = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease_duration = lease_duration
+        meta = dict(metadata)
         with self._store.lock:
             now = self._clock()
             lease = self._live(group, now)
@@ -146,8 +142,6 @@ class InMemoryProvider(Provider):
         return True
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         with self._store.lock:
             lease = self._live(group, self._clock())
             if lease is None or (lease.info.participant_id, lease.info.token) != (
@@ -159,7 +153,6 @@ class InMemoryProvider(Provider):
         self._notify(group)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         with self._store.lock:
             lease = self._live(group, self._clock())
             return None if lease is None else lease.info

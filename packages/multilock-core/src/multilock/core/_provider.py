@@ -12,8 +12,9 @@ Rules every implementation keeps (``multilock.core.testing.check_provider`` prov
   second term).
 - ``renew`` and ``release`` compare both the participant id and the token.
 - ``get_leader`` reports only a live lease, never a stale or expired record.
-- A failed call raises `ProviderError` with the driver's exception as ``__cause__``;
-  invalid names or metadata raise `ConfigurationError`.
+- A failed call raises `ProviderError` with the driver's exception as ``__cause__``.
+  Invalid names, durations or metadata raise `ConfigurationError`: the base class checks
+  them before a subclass's method runs.
 - Blocking drivers run in worker threads; nothing blocks the event loop.
 - Every coroutine is cancel-safe: a cancelled call leaves the store consistent.
 """
@@ -21,10 +22,13 @@ Rules every implementation keeps (``multilock.core.testing.check_provider`` prov
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping
+import functools
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from ._names import to_seconds, validate_metadata, validate_name
 from ._types import LeaderInfo
 
 if TYPE_CHECKING:
@@ -32,9 +36,52 @@ if TYPE_CHECKING:
 
 __all__ = ["Provider"]
 
+T = TypeVar("T")
+
+
+def _validated(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Check and normalise the standard arguments before *method* runs.
+
+    ``group`` and ``participant_id`` must be valid names, ``lease_duration`` becomes float
+    seconds and ``metadata`` a checked plain dict; anything else raises
+    `ConfigurationError` before the store is touched.
+    """
+    signature = inspect.signature(method)
+    checks = {
+        "group": lambda v: validate_name(v, "group"),
+        "participant_id": lambda v: validate_name(v, "participant_id"),
+        "lease_duration": lambda v: to_seconds(v, "lease_duration"),
+        "metadata": validate_metadata,
+    }
+    used = {name: check for name, check in checks.items() if name in signature.parameters}
+
+    @functools.wraps(method)
+    async def wrapper(*args: Any, **kwargs: Any) -> T:
+        bound = signature.bind(*args, **kwargs)
+        for name, check in used.items():
+            if name in bound.arguments:
+                bound.arguments[name] = check(bound.arguments[name])
+        return await method(*bound.args, **bound.kwargs)
+
+    wrapper.__multilock_validated__ = True  # type: ignore[attr-defined]
+    return wrapper
+
 
 class Provider(abc.ABC):
-    """Base class of every backend. Durations are float seconds."""
+    """Base class of every backend. Durations are float seconds.
+
+    Subclasses get their arguments checked at the boundary: every ``try_acquire``,
+    ``renew``, ``release`` and ``get_leader`` they define is wrapped so that invalid group
+    names, participant ids, durations and metadata raise `ConfigurationError` before the
+    store is touched, and the method receives float seconds and a plain metadata dict.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("try_acquire", "renew", "release", "get_leader"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "__multilock_validated__", False):
+                setattr(cls, name, _validated(method))
 
     @abc.abstractmethod
     async def try_acquire(

@@ -40,7 +40,6 @@ from multilock.core import (
     LeaderInfo,
     Provider,
     ProviderError,
-    validate_metadata,
     validate_name,
 )
 from multilock.core._names import to_seconds
@@ -252,9 +251,8 @@ class EtcdProvider(Provider):
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
         key = self._key(group)
-        validate_name(participant_id, "participant_id")
         ttl = math.ceil(to_seconds(lease_duration, "lease_duration"))
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         kv = await self._get(key)
         if kv is not None:
             info = self._info(kv)
@@ -289,9 +287,8 @@ class EtcdProvider(Provider):
         metadata: Mapping[str, str],
     ) -> bool:
         key = self._key(group)
-        validate_name(participant_id, "participant_id")
         ttl = math.ceil(to_seconds(lease_duration, "lease_duration"))
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         kv = await self._get(key)
         info = None if kv is None else self._info(kv)
         if info is None or (info.participant_id, info.token) != (participant_id, token):
@@ -300,7 +297,6 @@ class EtcdProvider(Provider):
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
         key = self._key(group)
-        validate_name(participant_id, "participant_id")
         kv = await self._get(key)
         info = None if kv is None else self._info(kv)
         if info is None or (info.participant_id, info.token) != (participant_id, token):

@@ -59,7 +59,6 @@ from multilock.core import (
     Provider,
     ProviderError,
     redact_url,
-    validate_metadata,
     validate_name,
 )
 from multilock.core._names import to_seconds
@@ -223,10 +222,8 @@ class FileSystemProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease = lease_duration
+        meta = dict(metadata)
 
         def step(record: Record | None, now: float) -> tuple[Record | None, LeaderInfo | None]:
             if record is not None and record.is_live(now):
@@ -249,10 +246,8 @@ class FileSystemProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease = lease_duration
+        meta = dict(metadata)
 
         def step(record: Record | None, now: float) -> tuple[Record | None, bool]:
             if not _holds(record, now, participant_id, token):
@@ -264,8 +259,6 @@ class FileSystemProvider(Provider):
         return await self._run(group, step)
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
 
         def step(record: Record | None, now: float) -> tuple[Record | None, None]:
             if not _holds(record, now, participant_id, token):
@@ -275,7 +268,6 @@ class FileSystemProvider(Provider):
         await self._run(group, step)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         record = await self._run(group, _unchanged)
         return record.info() if record is not None else None
 

@@ -38,7 +38,6 @@ from multilock.core import (
     LeaderInfo,
     Provider,
     ProviderError,
-    validate_metadata,
     validate_name,
 )
 from multilock.core._names import to_seconds
@@ -174,10 +173,8 @@ class PostgresProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease = lease_duration
+        meta = dict(metadata)
         params = {"group": group, "participant": participant_id, "lease": lease}
         params |= {"metadata": Jsonb(meta), "channel": self._channel(group)}
         rows = await self._query("try_acquire", self._sql.acquire, params)
@@ -199,22 +196,17 @@ class PostgresProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease = lease_duration
+        meta = dict(metadata)
         params = {"group": group, "participant": participant_id, "lease": lease}
         params |= {"metadata": Jsonb(meta), "token": _token(token)}
         return bool(await self._query("renew", self._sql.renew, params))
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         params = {"group": group, "participant": participant_id, "token": _token(token)}
         await self._query("release", self._sql.release, params | {"channel": self._channel(group)})
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         rows = await self._query("get_leader", self._sql.leader, {"group": group})
         if not rows:
             return None

@@ -109,10 +109,8 @@ class RedisProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         ms = lease_ms(lease_duration)
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         granted = await self._node.acquire(
             group, participant_id, ms, encode_metadata(meta), clock_floor=True
         )
@@ -133,19 +131,14 @@ class RedisProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         ms = lease_ms(lease_duration)
         meta = encode_metadata(validate_metadata(metadata))
         return await self._node.renew(group, participant_id, int(token), ms, meta)
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         await self._node.release(group, participant_id, int(token))
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         return await self._node.leader(group)
 
     def watch(self, group: str) -> AsyncIterator[None]:

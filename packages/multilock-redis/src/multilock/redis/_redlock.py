@@ -163,10 +163,8 @@ class RedlockProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         ms = lease_ms(lease_duration)
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         attempt = _Attempt(group, participant_id, ms, encode_metadata(meta))
         started = time.monotonic()
         try:
@@ -259,8 +257,6 @@ class RedlockProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         ms = lease_ms(lease_duration)
         meta = encode_metadata(validate_metadata(metadata))
         limit = self._round_timeout(ms / 1000)
@@ -281,8 +277,6 @@ class RedlockProvider(Provider):
         ) from _first_error(results)
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         results = await self._fanout(
             range(len(self._nodes)),
             lambda i: self._nodes[i].release(group, participant_id, int(token)),
@@ -295,7 +289,6 @@ class RedlockProvider(Provider):
             ) from _first_error(results)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         n = len(self._nodes)
 
         def decided(r: dict[int, LeaderInfo | ProviderError | None]) -> bool:

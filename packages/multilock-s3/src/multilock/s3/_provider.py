@@ -48,7 +48,6 @@ from multilock.core import (
     LeaderInfo,
     Provider,
     ProviderError,
-    validate_metadata,
     validate_name,
 )
 from multilock.core._names import to_seconds
@@ -218,10 +217,8 @@ class S3Provider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease = lease_duration
+        meta = dict(metadata)
         cancelled = threading.Event()
         return await self._call(
             "try_acquire",
@@ -271,10 +268,8 @@ class S3Provider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease = lease_duration
+        meta = dict(metadata)
         token = check_token(token)
         return await self._call("renew", self._renew, group, participant_id, token, lease, meta)
 
@@ -295,8 +290,6 @@ class S3Provider(Provider):
         return self._write(group, record, etag) is not None
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         token = check_token(token)
         await self._call("release", self._release, group, participant_id, token)
 
@@ -312,7 +305,6 @@ class S3Provider(Provider):
         self._write(group, free, seen.etag)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         return await self._call("get_leader", self._leader, group)
 
     def _leader(self, group: str) -> LeaderInfo | None:

@@ -41,8 +41,6 @@ from multilock.core import (
     LeaderInfo,
     Provider,
     ProviderError,
-    validate_metadata,
-    validate_name,
 )
 from multilock.core._names import to_seconds
 
@@ -274,10 +272,8 @@ class SqlServerProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         lease_s, lease_us = _lease(lease_duration)
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         params = (group, participant_id, json.dumps(meta), lease_s, lease_us)
         rows = await self._query("try_acquire", self._sql.acquire, params)
         if not rows:
@@ -298,21 +294,16 @@ class SqlServerProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         lease_s, lease_us = _lease(lease_duration)
-        meta = validate_metadata(metadata)
+        meta = dict(metadata)
         params = (lease_s, lease_us, json.dumps(meta), group, participant_id, _token(token))
         return bool(await self._query("renew", self._sql.renew, params))
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         params = (group, participant_id, _token(token))
         await self._query("release", self._sql.release, params)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         rows = await self._query("get_leader", self._sql.leader, (group,))
         if not rows:
             return None

@@ -47,10 +47,8 @@ from multilock.core import (
     ConfigurationError,
     LeaderInfo,
     Provider,
-    validate_metadata,
     validate_name,
 )
-from multilock.core._names import to_seconds
 
 from ._config import parse_url
 from ._nodes import Node, decode, encode, ordered, token_of
@@ -107,10 +105,8 @@ class ZooKeeperProvider(Session, Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease = lease_duration
+        meta = dict(metadata)
         cancelled = threading.Event()
         work = functools.partial(self._acquire, group, participant_id, lease, meta, cancelled)
         future = asyncio.ensure_future(self._run("try_acquire", work))
@@ -186,10 +182,8 @@ class ZooKeeperProvider(Session, Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
-        lease = to_seconds(lease_duration, "lease_duration")
-        meta = validate_metadata(metadata)
+        lease = lease_duration
+        meta = dict(metadata)
         work = functools.partial(self._renew, group, participant_id, token, lease, meta)
         return await self._run("renew", work)
 
@@ -224,8 +218,6 @@ class ZooKeeperProvider(Session, Provider):
         return True
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        validate_name(group, "group")
-        validate_name(participant_id, "participant_id")
         key = (group, participant_id)
         with self._lock:
             node = self._nodes.get(key)
@@ -238,7 +230,6 @@ class ZooKeeperProvider(Session, Provider):
         await self._run("release", functools.partial(self._delete, node, retry=True))
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        validate_name(group, "group")
         return await self._run("get_leader", functools.partial(self._leader, group))
 
     def _leader(self, group: str) -> LeaderInfo | None:
