@@ -691,3 +691,47 @@ def test_a_watch_wake_makes_the_leader_check_its_lease_at_once():
         assert leadership.lost.is_set()
 
     run(body)
+
+
+class SlowPolling(InMemoryProvider):
+    """A store without notifications whose watch polls every `poll` seconds."""
+
+    def __init__(self, poll, **kwargs):
+        super().__init__(**kwargs)
+        self.poll = poll
+
+    @property
+    def notify_delay(self):
+        return self.poll
+
+    def watch(self, group):
+        return self._poll_watch()
+
+    async def _poll_watch(self):
+        while True:
+            await asyncio.sleep(self.poll)
+            yield None
+
+
+def test_resign_hands_over_on_a_store_that_polls_slower_than_retry_interval():
+    async def body(world):
+        def polling():
+            provider = SlowPolling(5.0, clock=world.clock.monotonic)
+            provider._store = world.store._store
+            return provider
+
+        a = world.election("a", provider=polling())
+        b = world.election("b", provider=polling())
+        await a.start()
+        await a.wait_until_leader()
+        await b.start()
+        leader, other = a, b
+        for round_ in range(6):
+            await asyncio.sleep(1.3 * round_ + 0.1)  # resign at every phase of the polls
+            await leader.resign()
+            async with asyncio.timeout(a.options.retry_interval + 5.0 + 1):
+                await other.wait_until_leader()
+            assert not leader.is_leader, f"round {round_}: the resigner took the term back"
+            leader, other = other, leader
+
+    run(body)

@@ -130,6 +130,11 @@ class AzureBlobProvider(Provider):
 
     # -- the provider interface -------------------------------------------------------------
 
+    @property
+    def notify_delay(self) -> float:
+        """Followers notice a release at their next poll."""
+        return self._poll
+
     async def try_acquire(
         self,
         group: str,

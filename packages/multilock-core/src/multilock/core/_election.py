@@ -406,9 +406,12 @@ class LeaderElection:
         self._leadership = None
         self._lost_token = leadership.token
         # Whatever ended the term (a broken connection, a refused renew, resign), give the
-        # other candidates the first try: otherwise a participant whose renews fail but
-        # whose acquires succeed would take every term back at once.
-        self._holdoff_until = self._clock() + self._options.retry_interval
+        # other candidates the first try, long enough for polling followers to notice:
+        # otherwise a participant whose renews fail but whose acquires succeed would take
+        # every term back at once, and a resign on a polling store would not hand over.
+        self._holdoff_until = (
+            self._clock() + self._options.retry_interval + self._provider.notify_delay
+        )
         self._leader_time += self._clock() - self._term_started
         for task in list(self._term_tasks):
             task.cancel()

@@ -123,6 +123,16 @@ class Provider(abc.ABC):
         """
         return None
 
+    @property
+    def notify_delay(self) -> float:
+        """Seconds a follower may take to notice a release: 0 when the store notifies.
+
+        A polling provider returns its poll interval. After stepping down (resign, stop of
+        a term), the core holds off for ``retry_interval + notify_delay`` so that a waiting
+        candidate notices the release and takes over before this participant campaigns again.
+        """
+        return 0.0
+
     def check_options(self, options: ElectionOptions) -> None:
         """Raise `ConfigurationError` for options this store cannot honour (default: none)."""
         return

@@ -215,6 +215,11 @@ class FileSystemProvider(Provider):
 
     # Provider interface.
 
+    @property
+    def notify_delay(self) -> float:
+        """Followers notice a release at their next poll."""
+        return self._poll_interval
+
     async def try_acquire(
         self,
         group: str,

@@ -89,6 +89,10 @@ class FaultyProvider(Provider):
             return None
         return await self.inner.get_leader(group)
 
+    @property
+    def notify_delay(self) -> float:
+        return self.inner.notify_delay
+
     def watch(self, group: str) -> AsyncIterator[None] | None:
         inner = self.inner.watch(group)
         return None if inner is None else self._watch(inner)
