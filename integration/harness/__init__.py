@@ -17,6 +17,7 @@ from .backends import (
 from .resolve import (
     Recipe,
     Unavailable,
+    hold,
     in_ci,
     require_control,
     serve,
@@ -53,6 +54,7 @@ __all__ = [
     "ServerError",
     "Unavailable",
     "free_port",
+    "hold",
     "in_ci",
     "load_backend_plugins",
     "log_sections",

@@ -27,7 +27,7 @@ import pytest
 from .backends import Backend, register_backend
 from .containers import ContainerServer, ContainerSpec, docker_available
 from .install import azurite_binary, azurite_dir
-from .resolve import session_servers, skip_or_fail
+from .resolve import hold, skip_or_fail
 from .servers import HOST, PROBES, ExternalServer, NotInstalled, Server, ServerError
 
 __all__ = ["azure_blob_server"]
@@ -159,12 +159,7 @@ def azure_blob_server() -> Iterator[Any]:
                 hint = "npm install azurite@3.35.0 (see integration/harness/install.py)"
                 skip_or_fail(f"no Azure Blob server: {ENV_URL} is not set, {exc} ({hint}), {why}")
             server = _container().start()
-    session_servers.append(server)
-    try:
-        yield server
-    finally:
-        session_servers.remove(server)
-        server.close()
+    yield from hold(server)
 
 
 def _make(request: Any, tmp_path_factory: Any) -> Backend:

@@ -20,7 +20,7 @@ import pytest
 
 from .backends import Backend, register_backend
 from .containers import ContainerServer, ContainerSpec, docker_available
-from .resolve import session_servers
+from .resolve import hold
 from .servers import START_TIMEOUT, BaseServer, ExternalServer
 
 __all__ = ["consul_server"]
@@ -110,13 +110,7 @@ def _start() -> BaseServer:
 @pytest.fixture(scope="session")
 def consul_server() -> Iterator[BaseServer]:
     """A Consul server agent; skips (also in CI) when none can be had here."""
-    server = _start()
-    session_servers.append(server)
-    try:
-        yield server
-    finally:
-        session_servers.remove(server)
-        server.close()
+    yield from hold(_start())
 
 
 def _make(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Backend:

@@ -22,7 +22,7 @@ import pytest
 from .backends import Backend, register_backend
 from .containers import ContainerServer, ContainerSpec, docker_available
 from .install import etcd_binary
-from .resolve import session_servers, skip_or_fail
+from .resolve import hold, skip_or_fail
 from .servers import HOST, BaseServer, ExternalServer, NotInstalled, Server, ServerError
 
 __all__ = ["etcd_server"]
@@ -132,13 +132,7 @@ def _start() -> BaseServer:
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[BaseServer]:
     """A single-member etcd (fast raft flags, min lease 1 s) that keeps data on restart."""
-    server = _start()
-    session_servers.append(server)
-    try:
-        yield server
-    finally:
-        server.close()
-        session_servers.remove(server)
+    yield from hold(_start())
 
 
 def _make(request: Any, tmp_path_factory: Any) -> Backend:

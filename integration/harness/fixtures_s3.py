@@ -22,7 +22,7 @@ import pytest
 
 from .backends import Backend, register_backend
 from .containers import ContainerServer, ContainerSpec, docker_available
-from .resolve import INSTALL_HINT, session_servers, skip_or_fail
+from .resolve import INSTALL_HINT, hold, skip_or_fail
 from .servers import HOST, PROBES, BaseServer, ExternalServer, NotInstalled, Server, ServerError
 
 __all__ = ["S3Server", "probe_s3", "s3_server"]
@@ -105,13 +105,7 @@ def _start() -> BaseServer:
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[BaseServer]:
     """An S3 endpoint with a bucket the providers create on first use."""
-    server = _start()
-    session_servers.append(server)
-    try:
-        yield server
-    finally:
-        server.close()
-        session_servers.remove(server)
+    yield from hold(_start())
 
 
 def _make(request: Any, tmp_path_factory: Any) -> Backend:

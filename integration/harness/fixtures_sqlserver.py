@@ -21,7 +21,7 @@ import pytest
 
 from .backends import Backend, register_backend
 from .containers import ContainerServer, ContainerSpec, docker_available
-from .resolve import session_servers
+from .resolve import hold
 from .servers import START_TIMEOUT, BaseServer, ExternalServer, ServerError
 
 __all__ = ["sqlserver_server"]
@@ -139,13 +139,7 @@ def start_sqlserver() -> BaseServer:
 @pytest.fixture(scope="session")
 def sqlserver_server() -> Iterator[BaseServer]:
     """A SQL Server (``sa`` login, database ``master``), or a skip saying why not."""
-    server = start_sqlserver()
-    session_servers.append(server)
-    try:
-        yield server
-    finally:
-        server.close()
-        session_servers.remove(server)
+    yield from hold(start_sqlserver())
 
 
 def _make(request: Any, tmp_path_factory: Any) -> Backend:

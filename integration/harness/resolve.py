@@ -23,6 +23,7 @@ from .servers import BaseServer, ExternalServer, NotInstalled, Server
 __all__ = [
     "Recipe",
     "Unavailable",
+    "hold",
     "in_ci",
     "require_control",
     "serve",
@@ -154,3 +155,16 @@ def serve(recipe: Recipe) -> Iterator[list[BaseServer]]:
         for server in servers:
             server.close()
             session_servers.remove(server)
+
+
+def hold(server: BaseServer) -> Iterator[BaseServer]:
+    """Yield a started *server* for a session fixture; list it for failure reports, then close.
+
+    ``yield from hold(start_my_server())`` is the whole body of a backend's session fixture.
+    """
+    session_servers.append(server)
+    try:
+        yield server
+    finally:
+        server.close()
+        session_servers.remove(server)
