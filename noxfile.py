@@ -127,7 +127,10 @@ def compose(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """Three processes on the file-system provider: a crash failover and a handoff."""
-    session.install("-e", "packages/multilock-core", "-e", "packages/multilock-filesystem")
+    session.install(
+        "-e", "packages/multilock-core", "-e", "packages/multilock-filesystem",
+        "-e", "packages/multilock-cli",
+    )  # fmt: skip
     session.run("python", "samples/demo.py", *session.posargs)
 
 

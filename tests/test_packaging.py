@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LICENSE = (ROOT / "LICENSE").read_bytes()
 PACKAGE_DIRS = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
 CORE = "multilock-core"
+#: Distributions that register no provider: core (built in) and the command line.
+NO_PROVIDER = {CORE, "multilock-cli"}
 
 _BUILD = "import sys; from hatchling.build import build_wheel; print(build_wheel(sys.argv[1]))"
 
@@ -258,7 +260,7 @@ def test_wheel_versions_agree(package: Package, wheels: dict[str, Built]) -> Non
 def test_provider_entry_points_resolve(package: Package, wheels: dict[str, Built]) -> None:
     with wheels[package.dist].open() as zf:
         providers = _entry_points(zf).get("multilock.providers", {})
-        if package.dist != CORE:
+        if package.dist not in NO_PROVIDER:
             assert providers, f"{package.dist} registers no multilock.providers entry point"
         for scheme, target in providers.items():
             assert re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme), f"bad URL scheme {scheme!r}"
@@ -278,15 +280,17 @@ def test_provider_entry_points_resolve(package: Package, wheels: dict[str, Built
             assert attr in _top_level_names(source), f"{module} defines no {attr}"
 
 
-@pytest.mark.parametrize("package", PACKAGES, ids=IDS)
+PROVIDER_PACKAGES = [p for p in PACKAGES if p.dist != "multilock-cli"]
+
+
+@pytest.mark.parametrize("package", PROVIDER_PACKAGES, ids=[p.path.name for p in PROVIDER_PACKAGES])
 def test_provider_entry_points_import(package: Package, wheels: dict[str, Built]) -> None:
     """Import each entry point's target here, where the packages are installed editable."""
     from multilock.core import Provider
 
     with wheels[package.dist].open() as zf:
         providers = _entry_points(zf).get("multilock.providers", {})
-    if not providers:
-        pytest.skip(f"{package.dist} registers no provider")
+    assert providers, f"{package.dist} registers no provider"
     try:
         importlib.metadata.distribution(package.dist)
     except importlib.metadata.PackageNotFoundError:
@@ -298,3 +302,11 @@ def test_provider_entry_points_import(package: Package, wheels: dict[str, Built]
         assert isinstance(obj, type), f"{scheme} = {target} is not a class"
         assert issubclass(obj, Provider), f"{scheme} = {target} is not a Provider"
         assert callable(getattr(obj, "from_url", None)), f"{target} has no from_url"
+
+
+def test_cli_console_script(wheels: dict[str, Built]) -> None:
+    """multilock-cli installs the ``multilock`` command and nothing under the provider group."""
+    with wheels["multilock-cli"].open() as zf:
+        points = _entry_points(zf)
+    assert points.get("console_scripts", {}).get("multilock", "").startswith("multilock.cli")
+    assert "multilock.providers" not in points

@@ -1,0 +1,91 @@
+"""``multilock run`` behind its options: the election, the store probe, the signals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from multilock.core import (
+    ConfigurationError,
+    ElectionOptions,
+    LeaderElection,
+    validate_metadata,
+    validate_name,
+)
+
+from ._child import spawn_process
+from ._common import CliError, close_quietly, open_provider, parse_metadata, probe
+from ._supervisor import Supervisor
+
+__all__ = ["election_options", "run_supervised"]
+
+log = logging.getLogger("multilock.cli")
+
+
+def election_options(
+    group: str, participant_id: str | None, lease: float | None, metadata: Sequence[str]
+) -> ElectionOptions:
+    """The options of ``run``, each error naming the option it came from."""
+    fields: dict[str, Any] = {"group": group}
+    try:
+        if participant_id is not None:
+            fields["participant_id"] = validate_name(participant_id, "--id")
+    except ConfigurationError as exc:
+        raise CliError(str(exc)) from None
+    try:
+        fields["metadata"] = validate_metadata(parse_metadata(metadata))
+    except ConfigurationError as exc:
+        raise CliError(f"--metadata: {exc}") from None
+    if lease is not None:
+        fields["lease_duration"] = lease
+    try:
+        return ElectionOptions(**fields)
+    except ConfigurationError as exc:
+        raise CliError(f"--lease: {exc}") from None
+
+
+async def run_supervised(
+    url: str,
+    options: ElectionOptions,
+    grace: float,
+    forever: bool,
+    probe_timeout: float,
+    command: Sequence[str],
+) -> int:
+    """Build the election, probe the store, then supervise *command* until it is done."""
+    provider = open_provider(url)
+    try:
+        try:
+            election = LeaderElection(provider, options)
+        except ConfigurationError as exc:
+            raise CliError(str(exc), url=url) from None
+        await probe(provider, options.group, url, probe_timeout)
+        supervisor = Supervisor(
+            election, lambda env: spawn_process(command, env), grace=grace, forever=forever
+        )
+        loop = asyncio.get_running_loop()
+
+        def hangup() -> None:  # passed on to a running command; otherwise it stops multilock
+            if not supervisor.forward(signal.SIGHUP):
+                supervisor.request_stop(signal.SIGHUP)
+
+        handlers: dict[int, Callable[[], object]] = {
+            signal.SIGINT: lambda: supervisor.request_stop(signal.SIGINT),
+            signal.SIGTERM: lambda: supervisor.request_stop(signal.SIGTERM),
+            signal.SIGHUP: hangup,
+            signal.SIGUSR1: lambda: supervisor.forward(signal.SIGUSR1),
+            signal.SIGUSR2: lambda: supervisor.forward(signal.SIGUSR2),
+        }
+        for signum, handler in handlers.items():
+            loop.add_signal_handler(signum, handler)
+        try:
+            log.info("campaigning for %s as %s", options.group, options.participant_id)
+            return await supervisor.run()
+        finally:
+            for signum in handlers:
+                loop.remove_signal_handler(signum)
+    finally:
+        await close_quietly(provider)
