@@ -33,6 +33,9 @@ DEV = [
     "moto[s3]>=5",  # the S3 server of the integration tests
     "flask",
     "flask-cors",
+    "tooz[redis,zookeeper]>=9.1",  # benchmark peers (tests/test_benchmarks.py, nox -s bench)
+    "psutil>=5.9",  # the benchmark's scale run
+    "matplotlib>=3.8",  # the benchmark's failover plot
 ]
 
 #: Azurite's published development key (not a secret: every Azurite accepts it).

@@ -1,9 +1,13 @@
-"""Benchmark multilock's backends and write a Markdown report.
+"""Benchmark multilock's backends, compare it with its peers, and write a Markdown report.
 
     python benchmarks/run.py [--backends memory,filesystem,redis,redlock,postgres,etcd,
                                          s3,azure_blob,zookeeper]
-                             [--handoffs 100] [--kills 5] [--idle-leases 20]
-                             [--lease 1.0] [--out benchmarks/REPORT.md]
+                             [--handoffs 100] [--kills 5] [--idle-leases 20] [--lease 1.0]
+                             [--peers all|none] [--peer-poll 0.25]
+                             [--scale 1000] [--scale-backends memory,redis,postgres]
+                             [--scale-workers 4] [--scale-lease 5] [--scale-window S]
+                             [--plot PNG (default: failover.png beside --out)]
+                             [--out benchmarks/REPORT.md]
 
 Starts its own throwaway servers (redis-server, postgres, etcd, moto's S3, Azurite,
 ZooKeeper) with the integration harness and stops them, by the PID it started, whatever
@@ -16,145 +20,47 @@ fewer samples (see `LIMITS`). Three measurements per backend:
    ``acquired`` log line (both on ``time.monotonic``);
 3. the store operations caused by one idle follower (its provider wrapped in
    `FaultyProvider`), and for Redis the server's own command counts as a cross-check.
+
+Then, on the same servers and lease: the peers (``peers.py``: tooz and kazoo), the scale
+run (``scale.py``) and the failover picture (``plot.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import platform
 import random
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration"))
 
-from harness.backends import redlock_url  # noqa: E402
-from harness.fixtures_azure_blob import AzuriteServer  # noqa: E402
-from harness.fixtures_etcd import EtcdServer  # noqa: E402
-from harness.fixtures_s3 import S3Server  # noqa: E402
-from harness.fixtures_zookeeper import ZooKeeperServer  # noqa: E402
-from harness.servers import PostgresServer, RedisServer, Server  # noqa: E402
+import peers  # noqa: E402
+import plot  # noqa: E402
+import scale  # noqa: E402
+from backends import Backends  # noqa: E402
+from common import (  # noqa: E402
+    ALL_BACKENDS,
+    HANDOFF_RETRY,
+    plan,
+    say,
+    summary,
+)
+from peers import RedisCounter, per_second  # noqa: E402
+from report import write_report  # noqa: E402
+
 from multilock.core import EventKind, LeaderElection, from_url  # noqa: E402
 from multilock.core.testing import Cluster, FaultyProvider  # noqa: E402
-
-S = TypeVar("S", bound=Server)
-ALL_BACKENDS = [
-    "memory",
-    "filesystem",
-    "redis",
-    "redlock",
-    "postgres",
-    "etcd",
-    "s3",
-    "azure_blob",
-    "zookeeper",
-]
-#: Backends that cannot run here, and why (listed in the report as not measured).
-NOT_MEASURED = {
-    "consul": "no Consul server can be installed on this machine (not in Debian, PyPI or "
-    "npm) and no Docker engine answers",
-    "sqlserver": "no SQL Server engine can be installed on this machine (only the client "
-    "stack installs) and no Docker engine answers",
-}
-#: Azure Blob leases last 15..60 whole seconds: its own lease, and caps on the sample counts
-#: that keep the whole run bounded (a crash failover alone takes about one lease).
-LIMITS: dict[str, dict[str, float]] = {
-    "azure_blob": {"lease": 15.0, "handoffs": 20, "kills": 3, "idle_leases": 4},
-}
-#: Azure's polling watch defaults to 2 s, longer than the hold-off below; S3's harness URL
-#: already polls every 0.2 s, so Azure gets the same.
-AZURE_POLL = 0.2
-#: Backends whose watch polls the store itself (seconds between reads, not provider calls).
-WATCH_POLLS = {"s3": 0.2, "azure_blob": AZURE_POLL}
-#: The resigner holds off for retry_interval; the waiting election must win within it.
-HANDOFF_RETRY = 0.25
-#: The filesystem's watch polls os.stat; it must poll well within the hold-off above.
-FILE_POLL = 0.1
-
-
-def say(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def plan(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """The lease and sample counts for backend *name*: the command line's, within `LIMITS`."""
-    limits = LIMITS.get(name, {})
-    return {
-        "lease": limits.get("lease", args.lease),
-        "handoffs": min(args.handoffs, int(limits.get("handoffs", args.handoffs))),
-        "kills": min(args.kills, int(limits.get("kills", args.kills))),
-        "idle_leases": min(args.idle_leases, int(limits.get("idle_leases", args.idle_leases))),
-    }
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[index]
-
-
-# --------------------------------------------------------------------------- servers
-class Backends:
-    """Starts the servers the chosen backends need; `close()` stops each by its PID."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.servers: list[Server] = []
-        self.redis: RedisServer | None = None
-        self.urls: dict[str, str] = {}
-        self._tmp: str | None = None
-
-    def start(self) -> None:
-        for name in self.names:
-            if name == "memory":
-                self.urls[name] = "memory://bench"
-            elif name == "filesystem":
-                self._tmp = tempfile.mkdtemp(prefix="multilock-bench-fs-")
-                self.urls[name] = f"file://{self._tmp}?poll_interval={FILE_POLL}"
-            elif name == "redis":
-                self.redis = self._add(RedisServer())
-                self.urls[name] = self.redis.url
-            elif name == "redlock":
-                nodes = [self._add(RedisServer()) for _ in range(3)]
-                self.urls[name] = redlock_url(nodes)
-            elif name == "postgres":
-                self.urls[name] = self._add(PostgresServer()).url
-            elif name == "etcd":
-                self.urls[name] = self._add(EtcdServer()).url  # ?min_lease=1
-            elif name == "s3":
-                self.urls[name] = self._add(S3Server()).url  # poll_interval=0.2
-            elif name == "azure_blob":
-                url = self._add(AzuriteServer()).url
-                self.urls[name] = f"{url}&poll_interval={AZURE_POLL:g}"
-            elif name == "zookeeper":
-                self.urls[name] = self._add(ZooKeeperServer()).url
-            else:
-                raise SystemExit(f"unknown backend {name!r}; known: {', '.join(ALL_BACKENDS)}")
-
-    def _add(self, server: S) -> S:
-        self.servers.append(server)
-        server.start()
-        return server
-
-    def close(self) -> None:
-        for server in reversed(self.servers):
-            with contextlib.suppress(Exception):
-                server.close()  # signals only the PID it started
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- 1. handoff
@@ -228,15 +134,7 @@ async def measure_handoff(url: str, count: int, lease: float) -> dict[str, Any]:
             task.cancel()
         for provider in providers:
             await provider.aclose()
-    ms = [x * 1000 for x in latencies]
-    return {
-        "count": len(ms),
-        "failures": failures,
-        "p50": pct(ms, 50) if ms else None,
-        "p95": pct(ms, 95) if ms else None,
-        "max": max(ms) if ms else None,
-        "mean": statistics.fmean(ms) if ms else None,
-    }
+    return summary([x * 1000 for x in latencies], failures)
 
 
 # --------------------------------------------------------------------------- 2. crash
@@ -254,10 +152,11 @@ def _started(cluster: Cluster, name: str, after: float) -> bool:
     )
 
 
-def measure_crash(url: str, kills: int, lease: float) -> dict[str, Any]:
+def measure_crash(cluster: Cluster, kills: int, lease: float, judge: bool = True) -> dict[str, Any]:
+    """SIGKILL *cluster*'s leader *kills* times; judge the timeline if its logs allow."""
     rng = random.Random(7)
     failovers: list[float] = []
-    with Cluster(url, "bench-crash", size=3, lease=lease) as cluster:
+    with cluster:
         member, token, _ = cluster.wait_for_leader(timeout=30 + lease * 5)
         time.sleep(lease)  # everyone started and following
         for _ in range(kills):
@@ -274,38 +173,15 @@ def measure_crash(url: str, kills: int, lease: float) -> dict[str, Any]:
                 time.sleep(0.02)
             time.sleep(0.2)  # its first campaign round
             member, token = new, new_token
-        report = cluster.check()
+        report = cluster.check() if judge else None
     return {
         "count": len(failovers),
         "mean": statistics.fmean(failovers),
         "max": max(failovers),
         "min": min(failovers),
-        "timeline_ok": report.ok,
-        "problems": report.problems[:3],
+        "timeline_ok": "n/a" if report is None else report.ok,
+        "problems": [] if report is None else report.problems[:3],
     }
-
-
-# --------------------------------------------------------------------------- 3. idle
-class RedisCounter:
-    """``INFO commandstats`` of one Redis server, minus the INFO calls themselves."""
-
-    def __init__(self, url: str) -> None:
-        import redis
-
-        self._client = redis.Redis.from_url(url, socket_timeout=5)
-
-    def snapshot(self) -> Counter[str]:
-        stats = self._client.info("commandstats")
-        return Counter(
-            {
-                k.removeprefix("cmdstat_"): v["calls"]
-                for k, v in stats.items()
-                if k != "cmdstat_info"
-            }
-        )
-
-    def close(self) -> None:
-        self._client.close()
 
 
 async def measure_idle(
@@ -329,7 +205,7 @@ async def measure_idle(
             alone_base = await asyncio.to_thread(counter.snapshot)
             alone = leases / 2 * lease
             await asyncio.sleep(alone)
-            result["server_leader_only"] = _per_second(
+            result["server_leader_only"] = per_second(
                 await asyncio.to_thread(counter.snapshot), alone_base, alone
             )
         await follower.start()
@@ -342,7 +218,7 @@ async def measure_idle(
         calls = Counter(follower_provider.calls)
         calls.subtract(before)
         if counter is not None and base is not None:
-            result["server_with_follower"] = _per_second(
+            result["server_with_follower"] = per_second(
                 await asyncio.to_thread(counter.snapshot), base, elapsed
             )
         result.update(
@@ -361,309 +237,6 @@ async def measure_idle(
         f"{name}: idle follower {dict(result.get('calls', {}))} in {result.get('seconds', 0):.1f} s"
     )
     return result
-
-
-def _per_second(after: Counter[str], before: Counter[str], seconds: float) -> dict[str, float]:
-    delta = Counter(after)
-    delta.subtract(before)
-    return {k: v / seconds for k, v in sorted(delta.items()) if v > 0}
-
-
-# --------------------------------------------------------------------------- machine
-def machine() -> list[str]:
-    model, cpus = "unknown", 0
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                cpus += 1
-    lines = [
-        f"- CPU: {cpus} x {model}",
-        f"- OS: {platform.platform()}",
-        f"- Python: {platform.python_implementation()} {platform.python_version()}",
-        f"- Load average (1/5/15 min) when the report was written: "
-        f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine: other "
-        "jobs may have run during the measurements)",
-    ]
-    for label, argv in _server_version_commands():
-        with contextlib.suppress(Exception):
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-            text = (out.stdout.strip() or out.stderr.strip()).splitlines()
-            lines.append(f"- {label}: {text[0] if text else 'unknown'}")
-    from importlib.metadata import version
-
-    for dist in ("redis", "psycopg", "filelock", "aetcd", "minio", "moto"):
-        with contextlib.suppress(Exception):
-            lines.append(f"- {'server' if dist == 'moto' else 'driver'} {dist}: {version(dist)}")
-    for dist in ("azure-storage-blob", "kazoo"):
-        with contextlib.suppress(Exception):
-            lines.append(f"- driver {dist}: {version(dist)}")
-    return lines
-
-
-def _server_version_commands() -> Iterator[tuple[str, list[str]]]:
-    from harness.install import postgres_bindir, redis_server_binary
-
-    redis_bin = redis_server_binary()
-    if redis_bin is not None:
-        yield "redis-server", [str(redis_bin), "--version"]
-    pg = postgres_bindir()
-    if pg is not None:
-        yield "PostgreSQL", [str(pg / "postgres"), "--version"]
-    from harness.fixtures_azure_blob import find_azurite
-    from harness.install import etcd_binary
-
-    etcd = etcd_binary()
-    if etcd is not None:
-        yield "etcd", [str(etcd), "--version"]
-    azurite = find_azurite()
-    if azurite is not None:
-        yield "Azurite", [str(azurite), "--version"]
-    java = shutil.which("java")
-    if java is not None:
-        main_class = "org.apache.zookeeper.version.VersionInfoMain"
-        yield "ZooKeeper", [java, "-cp", "/usr/share/java/zookeeper.jar", main_class]
-
-
-# --------------------------------------------------------------------------- report
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def verdict(ok: bool) -> str:
-    return "**met**" if ok else "**NOT met**"
-
-
-def write_report(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall: float) -> str:
-    lease = args.lease
-    out = [
-        "# multilock benchmark report",
-        "",
-        f"Written by `python benchmarks/run.py` in one run on {time.strftime('%Y-%m-%d %H:%M %Z')}"
-        f" ({wall:.0f} s wall clock). See `benchmarks/README.md` for what each number means.",
-        "",
-        "## Machine",
-        "",
-        *machine(),
-        "",
-        "## Settings (the same for every backend unless stated)",
-        "",
-        f"- lease_duration {lease:g} s, renew_interval {lease / 3:.3g} s (default: a third)",
-        f"- handoff: retry_interval {HANDOFF_RETRY:g} s (the resigner's hold-off), "
-        f"{args.handoffs} handoffs, roles alternating",
-        f"- crash: 3-process Cluster, default retry_interval, {args.kills} SIGKILLs of the leader",
-        f"- idle follower: default retry_interval, {args.idle_leases} leases observed",
-        *_exceptions(results, args),
-        f"- servers started locally: Redis (no persistence), Redlock on 3 Redis nodes, "
-        f"PostgreSQL (fsync=off), etcd (one member, --unsafe-no-fsync, heartbeat 10 ms, "
-        f"election 100 ms, URL min_lease=1), moto's S3 server (in memory, URL "
-        f"poll_interval=0.2 s), Azurite (in memory, poll_interval={AZURE_POLL:g} s added "
-        f"to its URL: the default 2 s would outlast the hold-off), ZooKeeper standalone "
-        f"(tickTime 500 ms; the session timeout follows the lease); filesystem on a local "
-        f"temp dir with poll_interval={FILE_POLL:g} s (the default 0.5 s would outlast the "
-        "hold-off)",
-        *_not_measured(results),
-        "",
-        "## 1. Graceful handoff latency (resign() to the other's ACQUIRED)",
-        "",
-        "| backend | lease s | handoffs | failed | p50 ms | p95 ms | mean ms | max ms |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        h = r.get("handoff")
-        if h is None:
-            out.append(f"| {name} | error: {r.get('handoff_error', 'skipped')} ||||||")
-            continue
-        out.append(
-            f"| {name} | {r['plan']['lease']:g} | {h['count']} | {h['failures']} | "
-            f"{fmt(h['p50'], 2)} | {fmt(h['p95'], 2)} | {fmt(h['mean'], 2)} | {fmt(h['max'], 2)} |"
-        )
-    out += [
-        "",
-        "## 2. Crash failover (SIGKILL of the leader to the next `acquired` line)",
-        "",
-        "| backend | lease s | kills | mean s | max s | mean / lease | max / lease "
-        "| timeline check |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        c = r.get("crash")
-        lease = r["plan"]["lease"]
-        if c is None:
-            out.append(f"| {name} | {r.get('crash_error', 'n/a')} |||||||")
-            continue
-        out.append(
-            f"| {name} | {lease:g} | {c['count']} | {c['mean']:.3f} | {c['max']:.3f} | "
-            f"{c['mean'] / lease:.2f} | {c['max'] / lease:.2f} | "
-            f"{'ok' if c['timeline_ok'] else c['timeline_ok']} |"
-        )
-    out += [
-        "",
-        "## 3. Store operations caused by one idle follower",
-        "",
-        "Counted on the follower's provider (`FaultyProvider.calls`); `watch` is the number of "
-        "wake-ups its watch delivered. Operations done inside a watch (Redis pub/sub, "
-        "PostgreSQL LISTEN, etcd's watch stream, ZooKeeper's watches, the filesystem's "
-        "stat() polling, and the GET that the S3 and Azure Blob watches send every "
-        "poll_interval) are not provider calls and are not in these columns.",
-        "",
-        "| backend | lease s | seconds | get_leader | try_acquire | watch wakes | provider ops/s "
-        "| provider ops/lease | wakes/lease |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        i = r.get("idle")
-        lease = r["plan"]["lease"]
-        if i is None:
-            out.append(f"| {name} | error: {r.get('idle_error', 'n/a')} ||||||||")
-            continue
-        calls, secs = i["calls"], i["seconds"]
-        ops = sum(v for k, v in calls.items() if k != "watch")
-        n_leases = secs / lease
-        out.append(
-            f"| {name} | {lease:g} | {secs:.1f} | {calls.get('get_leader', 0)} | "
-            f"{calls.get('try_acquire', 0)} | {calls.get('watch', 0)} | {ops / secs:.2f} | "
-            f"{ops / n_leases:.2f} | {calls.get('watch', 0) / n_leases:.2f} |"
-        )
-    redis_idle = results.get("redis", {}).get("idle") or {}
-    if "server_with_follower" in redis_idle:
-        alone = redis_idle["server_leader_only"]
-        both = redis_idle["server_with_follower"]
-        out += [
-            "",
-            "Redis server-side cross-check (`INFO commandstats`, commands per second, INFO "
-            "itself excluded):",
-            "",
-            "| command | leader only | leader + idle follower | follower's share |",
-            "|---|---|---|---|",
-        ]
-        for cmd in sorted(set(alone) | set(both)):
-            a, b = alone.get(cmd, 0.0), both.get(cmd, 0.0)
-            out.append(f"| {cmd} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
-        a_total, b_total = sum(alone.values()), sum(both.values())
-        out.append(
-            f"| **total** | {a_total:.2f} | {b_total:.2f} | {b_total - a_total:+.2f} "
-            f"({(b_total - a_total) * results['redis']['plan']['lease']:.2f} per lease) |"
-        )
-    out += ["", "## Targets", ""]
-    out += targets(results)
-    out += ["", "## How to read these numbers", "", *NOTES]
-    out.append("")
-    return "\n".join(out)
-
-
-NOTES = [
-    "- Handoff: `resign()` cancels the term, releases (one store write), and the waiting "
-    "election hears of it through its watch (Redis pub/sub, PostgreSQL NOTIFY, etcd's "
-    "watch stream, ZooKeeper's child watch, the in-memory store's condition; the "
-    "filesystem, S3 and Azure Blob poll), then runs one campaign round (get_leader + "
-    "try_acquire). The polling backends are bounded by their poll_interval (about half "
-    "of it on average, plus a few HTTP round trips for S3 and Azure); the others by a few "
-    "round trips (Redlock: to a majority of 3 nodes). A failed handoff is one where the "
-    "other election did not take over within 3 leases; with a polling watch, the "
-    "resigner's hold-off (retry_interval, 0.25 s) is only a little longer than "
-    "poll_interval plus the follower's campaign round (0.2 s plus HTTP round trips on S3 "
-    "and Azure), so a slow poll can let the resigner take the lease back, and the "
-    "handoff then does not happen at all.",
-    "- Crash failover: a SIGKILLed leader cannot release, so the store keeps its lease until "
-    "it expires, lease_duration after its last renew. The kill lands at a random point of "
-    "the renew cycle, so the floor is between lease - renew_interval and lease; the rest is "
-    "detection (the followers' watches wake at the observed expiry) plus one campaign round.",
-    "- Idle follower: a follower runs a campaign round (get_leader) when its watch wakes it "
-    "and, as a safety net, when 2 x lease_duration (jittered down by up to a quarter) "
-    "passes without a wake, as long as its watch works (retry_interval otherwise); each "
-    "wake restarts that timer. A watch that wakes at every lease expiry it observes "
-    "(memory, Redis, Redlock, PostgreSQL) gives about one round per lease and the safety "
-    "net never fires; a watch that sees renewals and so stays quiet while the leader "
-    "lives (filesystem, etcd, S3, Azure Blob, ZooKeeper) leaves only the safety net: "
-    "about one round per two leases (0.5 to 0.6 per lease with the jitter).",
-    "- Wakes differ by watch: the in-memory watch wakes at each expiry it observes, which "
-    "can be as little as lease - renew_interval away (so up to about 1.5 wakes per lease "
-    "at the default renew_interval); the filesystem watch follows renewals (it "
-    "re-reads the record when stat() changes) so it wakes only on a new term or a real "
-    "expiry, but it pays a stat() every poll_interval and a read per renewal inside the "
-    "watch, which these counts do not see. The S3 and Azure Blob watches poll the object "
-    "every poll_interval (0.2 s here) inside the watch and wake on a new holder or at the "
-    "lease expiry they observe; etcd and ZooKeeper are pushed changes by the server.",
-    "- The Redis cross-check counts every command the server ran (INFO excluded), so it "
-    "includes what the watch does; the leader-only and leader-plus-follower windows are "
-    "taken one after the other, so small differences in the leader's own commands "
-    "(EVALSHA/HSET/PEXPIRE) are sampling noise.",
-]
-
-
-def _exceptions(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
-    lines = []
-    for name, r in results.items():
-        p = r["plan"]
-        if name in LIMITS:
-            lines.append(
-                f"- **{name} differs**: lease_duration {p['lease']:g} s (Azure Blob leases "
-                f"last 15 to 60 s), {p['handoffs']} handoffs, {p['kills']} SIGKILLs, "
-                f"{p['idle_leases']} idle leases, to keep the run bounded"
-            )
-    return lines
-
-
-def _not_measured(results: dict[str, dict[str, Any]]) -> list[str]:
-    return [
-        f"- not measured: {name} ({why})"
-        for name, why in NOT_MEASURED.items()
-        if name not in results
-    ]
-
-
-def targets(results: dict[str, dict[str, Any]]) -> list[str]:
-    lines = []
-    for name in ("redis", "postgres", "zookeeper", "etcd"):
-        h = results.get(name, {}).get("handoff")
-        if h is None or h["p50"] is None:
-            lines.append(f"- Handoff p50 < 10 ms on {name}: not measured")
-            continue
-        lines.append(
-            f"- Handoff p50 < 10 ms on {name}: {verdict(h['p50'] < 10)} "
-            f"(p50 {h['p50']:.2f} ms, p95 {h['p95']:.2f} ms)"
-        )
-    for name, r in results.items():
-        c = r.get("crash")
-        if c is None:
-            continue
-        limit = r["plan"]["lease"] + 0.5
-        lines.append(
-            f"- Crash failover < lease + 0.5 s ({limit:g} s) on {name}: "
-            f"{verdict(c['max'] < limit)} (mean {c['mean']:.3f} s, max {c['max']:.3f} s)"
-        )
-    for name, r in results.items():
-        i = r.get("idle")
-        if i is None:
-            continue
-        calls, n_leases = i["calls"], i["seconds"] / r["plan"]["lease"]
-        ops = sum(v for k, v in calls.items() if k != "watch") / n_leases
-        wakes = calls.get("watch", 0) / n_leases
-        reads = calls.get("get_leader", 0) / n_leases
-        # The target: about one wake per lease expiry, and no polling beyond it, i.e.
-        # about one campaign round (a get_leader; no try_acquire while a leader lives).
-        if wakes <= 1.25 and ops <= 1.25:
-            state = "**met**"
-        elif wakes <= 1.25:
-            state = "**partly met** (wakes yes, reads no)"
-        else:
-            state = "**NOT met**"
-        polled = ""
-        if name in WATCH_POLLS:
-            per_lease = r["plan"]["lease"] / WATCH_POLLS[name]
-            polled = (
-                f"; but its polling watch also sends a GET every {WATCH_POLLS[name]:g} s, "
-                f"{per_lease:.0f} per lease, which these counts leave out"
-            )
-            if state == "**met**":
-                state = "**partly met** (wakes and provider reads yes, watch polling no)"
-        lines.append(
-            f"- Idle follower costs about one wake per lease on {name}: {state} "
-            f"({wakes:.2f} wakes, {reads:.2f} get_leader and "
-            f"{calls.get('try_acquire', 0) / n_leases:.2f} try_acquire per lease{polled})"
-        )
-    return lines
 
 
 # --------------------------------------------------------------------------- main
@@ -686,6 +259,8 @@ async def run_idle(
     results: dict[str, dict[str, Any]],
     redis_url: str | None,
 ) -> None:
+    if not urls:
+        return
     say(f"idle follower on {', '.join(urls)} at once")
     names = list(urls)
     plans = {n: plan(n, args) for n in names}
@@ -710,15 +285,10 @@ async def run_idle(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default=",".join(ALL_BACKENDS))
-    parser.add_argument("--handoffs", type=int, default=100)
-    parser.add_argument("--kills", type=int, default=5)
-    parser.add_argument("--idle-leases", type=int, default=20)
-    parser.add_argument("--lease", type=float, default=1.0)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "REPORT.md"))
-    args = parser.parse_args(argv)
+    args = parse(argv)
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
+    scale_names = [n.strip() for n in args.scale_backends.split(",") if n.strip()]
+    scale_names = [n for n in scale_names if n in names] if args.scale else []
 
     # SIGTERM/SIGINT: unwind through the finally below, which stops the servers.
     def interrupted(signum: int, frame: object) -> None:
@@ -726,33 +296,116 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, interrupted)
     began = time.monotonic()
-    backends = Backends(names)
+    # Every scale participant's watch holds a LISTEN connection of its own (section 5).
+    backends = Backends(names, max_connections=max(200, int(args.scale * 1.2) + 100))
     results: dict[str, dict[str, Any]] = {n: {"plan": plan(n, args)} for n in names}
+    loads: list[tuple[str, tuple[float, float, float]]] = []
+
+    def phase(label: str) -> None:
+        loads.append((label, os.getloadavg()))
+        say(f"phase: {label} (load {loads[-1][1][0]:.2f})")
+
     try:
         say(f"starting servers for {', '.join(names)}")
         backends.start()
+        phase("handoff")
         asyncio.run(run_async(backends.urls, args, results))
-        for name, url in backends.urls.items():
-            if name == "memory":
-                results[name]["crash_error"] = "n/a (the store lives in one process)"
-                continue
-            p = plan(name, args)
-            say(f"{name}: crash failover, {p['kills']} kills, lease {p['lease']:g} s")
-            try:
-                results[name]["crash"] = measure_crash(url, p["kills"], p["lease"])
-            except Exception as exc:
-                results[name]["crash_error"] = f"error: {exc!r}"[:300]
-            say(f"{name}: crash {results[name].get('crash') or results[name].get('crash_error')}")
+        phase("crash")
+        run_crashes(backends.urls, args, results)
+        phase("idle")
         redis_url = backends.redis.url if backends.redis is not None else None
-        asyncio.run(run_idle(backends.urls, args, results, redis_url))
-        wall = time.monotonic() - began
-        text = write_report(args, results, wall)
+        # A longer lease (Azure's 15 s) makes a long, mostly sleeping idle phase: it goes
+        # on in the background, on its own server, while the phases below run.
+        slow = {n: u for n, u in backends.urls.items() if plan(n, args)["lease"] > args.lease}
+        fast = {n: u for n, u in backends.urls.items() if n not in slow}
+        asyncio.run(run_idle(fast, args, results, redis_url))
+        background = threading.Thread(
+            target=lambda: asyncio.run(run_idle(slow, args, results, None)), daemon=True
+        )
+        background.start()
+        sections: list[str] = []
+        if args.peers == "all":
+            phase("peers")
+            peer_results = peers.run_all(backends.urls, args, measure_crash, results)
+            sections += peers.report_section(peer_results, args)
+        if scale_names:
+            sections += run_scale(backends, scale_names, args, phase)
+        if args.plot:
+            sections += plot.run(backends.urls, args, phase)
+        background.join()
+        phase("report")
+        text = write_report(args, results, time.monotonic() - began, sections, loads)
     finally:
         backends.close()
     Path(args.out).write_text(text)
     say(f"wrote {args.out} after {time.monotonic() - began:.0f} s")
     print(text[text.index("## Targets") :])
     return 0
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--backends", default=",".join(ALL_BACKENDS))
+    parser.add_argument("--handoffs", type=int, default=100)
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--idle-leases", type=int, default=20)
+    parser.add_argument("--lease", type=float, default=1.0)
+    parser.add_argument("--peers", choices=("all", "none"), default="all")
+    parser.add_argument("--peer-poll", type=float, default=0.25, help="tooz's poll period")
+    parser.add_argument("--scale", type=int, default=1000, help="participants; 0: skip")
+    parser.add_argument("--scale-backends", default="memory,redis,postgres")
+    parser.add_argument("--scale-workers", type=int, default=4)
+    parser.add_argument("--scale-lease", type=float, default=5.0)
+    parser.add_argument("--scale-window", type=float, default=None)
+    parser.add_argument("--plot", default=None, help="default: failover.png beside --out")
+    parser.add_argument("--plot-backend", default="postgres")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "REPORT.md"))
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.plot is None:
+        args.plot = str(Path(args.out).with_name("failover.png"))
+    return args
+
+
+def run_crashes(urls: dict[str, str], args: argparse.Namespace, results: dict[str, Any]) -> None:
+    for name, url in urls.items():
+        if name == "memory":
+            results[name]["crash_error"] = "n/a (the store lives in one process)"
+            continue
+        p = plan(name, args)
+        say(f"{name}: crash failover, {p['kills']} kills, lease {p['lease']:g} s")
+        try:
+            cluster = Cluster(url, "bench-crash", size=3, lease=p["lease"])
+            results[name]["crash"] = measure_crash(cluster, p["kills"], p["lease"])
+        except Exception as exc:
+            results[name]["crash_error"] = f"error: {exc!r}"[:300]
+        say(f"{name}: crash {results[name].get('crash') or results[name].get('crash_error')}")
+
+
+def run_scale(
+    backends: Backends,
+    names: list[str],
+    args: argparse.Namespace,
+    phase: Callable[[str], None],
+) -> list[str]:
+    out: dict[str, dict[str, Any]] = {}
+    servers = {"redis": backends.redis, "postgres": backends.postgres}
+    for name in names:
+        phase(f"scale {name}")
+        url = "memory://scale" if name == "memory" else backends.urls[name]
+        server = servers.get(name)
+        store = scale.StoreStats(name, url, server.pid if server is not None else None)
+        say(f"{name}: {args.scale} participants over {args.scale_workers} workers")
+        with tempfile.TemporaryDirectory(prefix="multilock-scale-") as tmp:
+            try:
+                out[name] = scale.measure(
+                    name, url, args.scale, args.scale_workers, args.scale_lease, store,
+                    Path(tmp), args.scale_window,
+                )  # fmt: skip
+            except Exception as exc:
+                out[name] = {"error": repr(exc)[:300]}
+        say(f"{name}: scale {out[name]}")
+    return scale.report_section(out, args.scale_workers)
 
 
 if __name__ == "__main__":

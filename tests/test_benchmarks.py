@@ -1,7 +1,9 @@
 """The benchmark runner works end to end on every backend that runs here.
 
 Numbers are not judged here (performance targets live in benchmarks/REPORT.md); this
-proves the measurements run, every handoff happens and every crash timeline is safe.
+proves the measurements run: every handoff happens, every crash timeline is safe, every
+peer (tooz, kazoo) is measured, the scale run reaches a leader and fails over on each of
+its backends, and the failover picture is drawn.
 """
 
 import os
@@ -16,14 +18,32 @@ ROOT = Path(__file__).resolve().parents[1]
 BACKENDS = [
     "memory", "filesystem", "redis", "redlock", "postgres", "etcd", "s3", "azure_blob", "zookeeper",
 ]  # fmt: skip
+PEERS = [
+    ("multilock", "redis"), ("tooz", "redis"), ("multilock", "zookeeper"),
+    ("tooz", "zookeeper"), ("kazoo", "zookeeper"),
+]  # fmt: skip
+SCALE = ["memory", "redis", "postgres"]
+
+
+def section(text: str, number: int) -> str:
+    return text.split(f"\n## {number}.")[1].split("\n## ")[0]
+
+
+def cells(text: str, *first: str) -> list[str]:
+    pattern = r"^\| " + r" \| ".join(re.escape(f) for f in first) + r" \| .*$"
+    row = re.search(pattern, text, re.MULTILINE)
+    assert row is not None, f"no row {first}:\n{text}"
+    return [c.strip() for c in row.group(0).strip("|").split("|")]
 
 
 @pytest.mark.slow
-def test_benchmark_runner_measures_every_backend(tmp_path):
-    report = tmp_path / "REPORT.md"
+def test_benchmark_runner_measures_everything(tmp_path):
+    report, picture = tmp_path / "REPORT.md", tmp_path / "failover.png"
     command = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--out", str(report)]
     command += ["--backends", ",".join(BACKENDS), "--handoffs", "4"]
-    command += ["--kills", "1", "--idle-leases", "2"]
+    command += ["--kills", "1", "--idle-leases", "2", "--plot", str(picture)]
+    command += ["--scale", "12", "--scale-workers", "2", "--scale-lease", "1"]
+    command += ["--scale-window", "1"]
     result = subprocess.run(
         command,
         capture_output=True,
@@ -34,14 +54,29 @@ def test_benchmark_runner_measures_every_backend(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = report.read_text()
-    handoffs = text.split("## 1.")[1].split("## 2.")[0]
-    crashes = text.split("## 2.")[1].split("## 3.")[0]
     for backend in BACKENDS:
-        row = re.search(rf"^\| {backend} \| .*$", handoffs, re.MULTILINE)
-        assert row is not None, f"no handoff row for {backend}:\n{handoffs}"
-        cells = [c.strip() for c in row.group(0).strip("|").split("|")]
-        assert cells[2:4] == ["4", "0"], f"{backend}: handoffs/failed are {cells[2:4]}"
+        row = cells(section(text, 1), backend)
+        assert row[2:4] == ["4", "0"], f"{backend}: handoffs/failed are {row[2:4]}"
         if backend != "memory":
-            crash = re.search(rf"^\| {backend} \| .*$", crashes, re.MULTILINE)
-            assert crash is not None, f"no crash row for {backend}"
-            assert crash.group(0).rstrip(" |").endswith("ok"), crash.group(0)
+            crash = cells(section(text, 2), backend)
+            assert crash[-1] == "ok", crash
+
+    peers = section(text, 4)
+    for system, backend in PEERS:
+        row = cells(peers, system, backend)
+        assert row[4] == "4 (0)", f"{system} on {backend}: handoffs (failed) {row[4]}"
+        for value in (row[2], row[3], row[5], row[6], row[7]):
+            float(value)  # a number, not "n/a" or an error
+
+    scale = section(text, 5)
+    assert "12 participants" in scale
+    for backend in SCALE:
+        row = cells(scale, backend)
+        assert row[1] == ("1" if backend == "memory" else "2"), row
+        float(row[3])  # time to the first leader
+        float(row[12])  # the graceful failover
+        if backend != "memory":
+            float(row[13])  # the crash failover: a worker SIGKILLed
+
+    assert "![failover timeline](failover.png)" in section(text, 6)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,338 @@
+"""The Markdown report: machine, settings, and multilock's own three measurements.
+
+The peer comparison, the scale run and the plot add their sections through
+`peers.report_section`, `scale.report_section` and `plot.report_section`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from common import AZURE_POLL, FILE_POLL, HANDOFF_RETRY, LIMITS, NOT_MEASURED, WATCH_POLLS, fmt
+
+
+def machine(loads: list[tuple[str, tuple[float, float, float]]]) -> list[str]:
+    model, cpus = "unknown", 0
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                cpus += 1
+    lines = [
+        f"- CPU: {cpus} x {model}",
+        f"- OS: {platform.platform()}",
+        f"- Python: {platform.python_implementation()} {platform.python_version()}",
+        "- Load average (1/5/15 min) at the start of each phase (2 cores; a shared "
+        "machine: other jobs ran during the measurements, and the load also counts this "
+        "run's own servers and workers, e.g. the 1,000 PostgreSQL connections of the scale "
+        "run before the plot): "
+        + "; ".join(f"{phase} {' / '.join(f'{x:.2f}' for x in load)}" for phase, load in loads),
+    ]
+    for label, argv in _server_version_commands():
+        with contextlib.suppress(Exception):
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+            text = (out.stdout.strip() or out.stderr.strip()).splitlines()
+            lines.append(f"- {label}: {text[0] if text else 'unknown'}")
+    from importlib.metadata import version
+
+    for dist in ("redis", "psycopg", "filelock", "aetcd", "minio", "moto"):
+        with contextlib.suppress(Exception):
+            lines.append(f"- {'server' if dist == 'moto' else 'driver'} {dist}: {version(dist)}")
+    for dist in ("azure-storage-blob", "kazoo", "tooz", "psutil", "matplotlib"):
+        with contextlib.suppress(Exception):
+            lines.append(f"- driver {dist}: {version(dist)}")
+    return lines
+
+
+def _server_version_commands() -> Iterator[tuple[str, list[str]]]:
+    from harness.install import postgres_bindir, redis_server_binary
+
+    redis_bin = redis_server_binary()
+    if redis_bin is not None:
+        yield "redis-server", [str(redis_bin), "--version"]
+    pg = postgres_bindir()
+    if pg is not None:
+        yield "PostgreSQL", [str(pg / "postgres"), "--version"]
+    from harness.fixtures_azure_blob import find_azurite
+    from harness.install import etcd_binary
+
+    etcd = etcd_binary()
+    if etcd is not None:
+        yield "etcd", [str(etcd), "--version"]
+    azurite = find_azurite()
+    if azurite is not None:
+        yield "Azurite", [str(azurite), "--version"]
+    java = shutil.which("java")
+    if java is not None:
+        main_class = "org.apache.zookeeper.version.VersionInfoMain"
+        yield "ZooKeeper", [java, "-cp", "/usr/share/java/zookeeper.jar", main_class]
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**NOT met**"
+
+
+def write_report(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    wall: float,
+    sections: list[str],
+    loads: list[tuple[str, tuple[float, float, float]]],
+) -> str:
+    lease = args.lease
+    out = [
+        "# multilock benchmark report",
+        "",
+        f"Written by `python benchmarks/run.py` in one run on {time.strftime('%Y-%m-%d %H:%M %Z')}"
+        f" ({wall:.0f} s wall clock). See `benchmarks/README.md` for what each number means.",
+        "",
+        "## Machine",
+        "",
+        *machine(loads),
+        "",
+        "## Settings (the same for every backend unless stated)",
+        "",
+        f"- lease_duration {lease:g} s, renew_interval {lease / 3:.3g} s (default: a third)",
+        f"- handoff: retry_interval {HANDOFF_RETRY:g} s (the resigner's hold-off), "
+        f"{args.handoffs} handoffs, roles alternating",
+        f"- crash: 3-process Cluster, default retry_interval, {args.kills} SIGKILLs of the leader",
+        f"- idle follower: default retry_interval, {args.idle_leases} leases observed",
+        *_exceptions(results, args),
+        f"- servers started locally: Redis (no persistence), Redlock on 3 Redis nodes, "
+        f"PostgreSQL (fsync=off), etcd (one member, --unsafe-no-fsync, heartbeat 10 ms, "
+        f"election 100 ms, URL min_lease=1), moto's S3 server (in memory, URL "
+        f"poll_interval=0.2 s), Azurite (in memory, poll_interval={AZURE_POLL:g} s added "
+        f"to its URL: the default 2 s would outlast the hold-off), ZooKeeper standalone "
+        f"(tickTime 500 ms; the session timeout follows the lease); filesystem on a local "
+        f"temp dir with poll_interval={FILE_POLL:g} s (the default 0.5 s would outlast the "
+        "hold-off)",
+        *_not_measured(results),
+        "",
+        "## 1. Graceful handoff latency (resign() to the other's ACQUIRED)",
+        "",
+        "| backend | lease s | handoffs | failed | p50 ms | p95 ms | mean ms | max ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        h = r.get("handoff")
+        if h is None:
+            out.append(f"| {name} | error: {r.get('handoff_error', 'skipped')} ||||||")
+            continue
+        out.append(
+            f"| {name} | {r['plan']['lease']:g} | {h['count']} | {h['failures']} | "
+            f"{fmt(h['p50'], 2)} | {fmt(h['p95'], 2)} | {fmt(h['mean'], 2)} | {fmt(h['max'], 2)} |"
+        )
+    out += [
+        "",
+        "## 2. Crash failover (SIGKILL of the leader to the next `acquired` line)",
+        "",
+        "| backend | lease s | kills | mean s | max s | mean / lease | max / lease "
+        "| timeline check |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        c = r.get("crash")
+        lease = r["plan"]["lease"]
+        if c is None:
+            out.append(f"| {name} | {r.get('crash_error', 'n/a')} |||||||")
+            continue
+        out.append(
+            f"| {name} | {lease:g} | {c['count']} | {c['mean']:.3f} | {c['max']:.3f} | "
+            f"{c['mean'] / lease:.2f} | {c['max'] / lease:.2f} | "
+            f"{'ok' if c['timeline_ok'] else c['timeline_ok']} |"
+        )
+    out += [
+        "",
+        "## 3. Store operations caused by one idle follower",
+        "",
+        "Counted on the follower's provider (`FaultyProvider.calls`); `watch` is the number of "
+        "wake-ups its watch delivered. Operations done inside a watch (Redis pub/sub, "
+        "PostgreSQL LISTEN, etcd's watch stream, ZooKeeper's watches, the filesystem's "
+        "stat() polling, and the GET that the S3 and Azure Blob watches send every "
+        "poll_interval) are not provider calls and are not in these columns.",
+        "",
+        "| backend | lease s | seconds | get_leader | try_acquire | watch wakes | provider ops/s "
+        "| provider ops/lease | wakes/lease |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        i = r.get("idle")
+        lease = r["plan"]["lease"]
+        if i is None:
+            out.append(f"| {name} | error: {r.get('idle_error', 'n/a')} ||||||||")
+            continue
+        calls, secs = i["calls"], i["seconds"]
+        ops = sum(v for k, v in calls.items() if k != "watch")
+        n_leases = secs / lease
+        out.append(
+            f"| {name} | {lease:g} | {secs:.1f} | {calls.get('get_leader', 0)} | "
+            f"{calls.get('try_acquire', 0)} | {calls.get('watch', 0)} | {ops / secs:.2f} | "
+            f"{ops / n_leases:.2f} | {calls.get('watch', 0) / n_leases:.2f} |"
+        )
+    redis_idle = results.get("redis", {}).get("idle") or {}
+    if "server_with_follower" in redis_idle:
+        alone = redis_idle["server_leader_only"]
+        both = redis_idle["server_with_follower"]
+        out += [
+            "",
+            "Redis server-side cross-check (`INFO commandstats`, commands per second, INFO "
+            "itself excluded):",
+            "",
+            "| command | leader only | leader + idle follower | follower's share |",
+            "|---|---|---|---|",
+        ]
+        for cmd in sorted(set(alone) | set(both)):
+            a, b = alone.get(cmd, 0.0), both.get(cmd, 0.0)
+            out.append(f"| {cmd} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+        a_total, b_total = sum(alone.values()), sum(both.values())
+        out.append(
+            f"| **total** | {a_total:.2f} | {b_total:.2f} | {b_total - a_total:+.2f} "
+            f"({(b_total - a_total) * results['redis']['plan']['lease']:.2f} per lease) |"
+        )
+    out += sections
+    out += ["", "## Targets", ""]
+    out += targets(results)
+    out += ["", "## How to reproduce", "", *reproduce(args)]
+    out += ["", "## How to read these numbers", "", *NOTES]
+    out.append("")
+    return "\n".join(out)
+
+
+NOTES = [
+    "- Handoff: `resign()` cancels the term, releases (one store write), and the waiting "
+    "election hears of it through its watch (Redis pub/sub, PostgreSQL NOTIFY, etcd's "
+    "watch stream, ZooKeeper's child watch, the in-memory store's condition; the "
+    "filesystem, S3 and Azure Blob poll), then runs one campaign round (get_leader + "
+    "try_acquire). The polling backends are bounded by their poll_interval (about half "
+    "of it on average, plus a few HTTP round trips for S3 and Azure); the others by a few "
+    "round trips (Redlock: to a majority of 3 nodes). A failed handoff is one where the "
+    "other election did not take over within 3 leases; with a polling watch, the "
+    "resigner's hold-off (retry_interval, 0.25 s) is only a little longer than "
+    "poll_interval plus the follower's campaign round (0.2 s plus HTTP round trips on S3 "
+    "and Azure), so a slow poll can let the resigner take the lease back, and the "
+    "handoff then does not happen at all.",
+    "- Crash failover: a SIGKILLed leader cannot release, so the store keeps its lease until "
+    "it expires, lease_duration after its last renew. The kill lands at a random point of "
+    "the renew cycle, so the floor is between lease - renew_interval and lease; the rest is "
+    "detection (the followers' watches wake at the observed expiry) plus one campaign round.",
+    "- Idle follower: a follower runs a campaign round (get_leader) when its watch wakes it "
+    "and, as a safety net, when 2 x lease_duration (jittered down by up to a quarter) "
+    "passes without a wake, as long as its watch works (retry_interval otherwise); each "
+    "wake restarts that timer. A watch that wakes at every lease expiry it observes "
+    "(memory, Redis, Redlock, PostgreSQL) gives about one round per lease and the safety "
+    "net never fires; a watch that sees renewals and so stays quiet while the leader "
+    "lives (filesystem, etcd, S3, Azure Blob, ZooKeeper) leaves only the safety net: "
+    "about one round per two leases (0.5 to 0.6 per lease with the jitter).",
+    "- Wakes differ by watch: the in-memory watch wakes at each expiry it observes, which "
+    "can be as little as lease - renew_interval away (so up to about 1.5 wakes per lease "
+    "at the default renew_interval); the filesystem watch follows renewals (it "
+    "re-reads the record when stat() changes) so it wakes only on a new term or a real "
+    "expiry, but it pays a stat() every poll_interval and a read per renewal inside the "
+    "watch, which these counts do not see. The S3 and Azure Blob watches poll the object "
+    "every poll_interval (0.2 s here) inside the watch and wake on a new holder or at the "
+    "lease expiry they observe; etcd and ZooKeeper are pushed changes by the server.",
+    "- The Redis cross-check counts every command the server ran (INFO excluded), so it "
+    "includes what the watch does; the leader-only and leader-plus-follower windows are "
+    "taken one after the other, so small differences in the leader's own commands "
+    "(EVALSHA/HSET/PEXPIRE) are sampling noise.",
+]
+
+
+def _exceptions(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    lines = []
+    for name, r in results.items():
+        p = r["plan"]
+        if name in LIMITS:
+            lines.append(
+                f"- **{name} differs**: lease_duration {p['lease']:g} s (Azure Blob leases "
+                f"last 15 to 60 s), {p['handoffs']} handoffs, {p['kills']} SIGKILLs, "
+                f"{p['idle_leases']} idle leases, to keep the run bounded; its idle-follower "
+                "measurement (provider calls, mostly sleeping) ran alongside the peer, "
+                "scale and plot phases, on its own server"
+            )
+    return lines
+
+
+def _not_measured(results: dict[str, dict[str, Any]]) -> list[str]:
+    return [
+        f"- not measured: {name} ({why})"
+        for name, why in NOT_MEASURED.items()
+        if name not in results
+    ]
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    for name in ("redis", "postgres", "zookeeper", "etcd"):
+        h = results.get(name, {}).get("handoff")
+        if h is None or h["p50"] is None:
+            lines.append(f"- Handoff p50 < 10 ms on {name}: not measured")
+            continue
+        lines.append(
+            f"- Handoff p50 < 10 ms on {name}: {verdict(h['p50'] < 10)} "
+            f"(p50 {h['p50']:.2f} ms, p95 {h['p95']:.2f} ms)"
+        )
+    for name, r in results.items():
+        c = r.get("crash")
+        if c is None:
+            continue
+        limit = r["plan"]["lease"] + 0.5
+        lines.append(
+            f"- Crash failover < lease + 0.5 s ({limit:g} s) on {name}: "
+            f"{verdict(c['max'] < limit)} (mean {c['mean']:.3f} s, max {c['max']:.3f} s)"
+        )
+    for name, r in results.items():
+        i = r.get("idle")
+        if i is None:
+            continue
+        calls, n_leases = i["calls"], i["seconds"] / r["plan"]["lease"]
+        ops = sum(v for k, v in calls.items() if k != "watch") / n_leases
+        wakes = calls.get("watch", 0) / n_leases
+        reads = calls.get("get_leader", 0) / n_leases
+        # The target: about one wake per lease expiry, and no polling beyond it, i.e.
+        # about one campaign round (a get_leader; no try_acquire while a leader lives).
+        if wakes <= 1.25 and ops <= 1.25:
+            state = "**met**"
+        elif wakes <= 1.25:
+            state = "**partly met** (wakes yes, reads no)"
+        else:
+            state = "**NOT met**"
+        polled = ""
+        if name in WATCH_POLLS:
+            per_lease = r["plan"]["lease"] / WATCH_POLLS[name]
+            polled = (
+                f"; but its polling watch also sends a GET every {WATCH_POLLS[name]:g} s, "
+                f"{per_lease:.0f} per lease, which these counts leave out"
+            )
+            if state == "**met**":
+                state = "**partly met** (wakes and provider reads yes, watch polling no)"
+        lines.append(
+            f"- Idle follower costs about one wake per lease on {name}: {state} "
+            f"({wakes:.2f} wakes, {reads:.2f} get_leader and "
+            f"{calls.get('try_acquire', 0) / n_leases:.2f} try_acquire per lease{polled})"
+        )
+    return lines
+
+
+def reproduce(args: argparse.Namespace) -> list[str]:
+    return [
+        "`nox -s bench` installs the servers, every package and the peers, then runs "
+        "`python benchmarks/run.py` with the defaults, which wrote this report. This "
+        "report's own command line:",
+        "",
+        "```",
+        " ".join(["python benchmarks/run.py", *args.argv]),
+        "```",
+        "",
+        "It needs the dev environment (every multilock package), the server binaries "
+        "(`integration/harness/install.py`), and for the peers, the scale run and the plot: "
+        "`tooz`, `kazoo`, `psutil`, `matplotlib` (see `benchmarks/README.md`).",
+    ]
