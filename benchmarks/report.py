@@ -111,9 +111,9 @@ def write_report(
         f"election 100 ms, URL min_lease=1), moto's S3 server (in memory, URL "
         f"poll_interval=0.2 s), Azurite (in memory, poll_interval={AZURE_POLL:g} s added "
         f"to its URL: the default 2 s would outlast the hold-off), ZooKeeper standalone "
-        f"(tickTime 500 ms; the session timeout follows the lease); filesystem on a local "
-        f"temp dir with poll_interval={FILE_POLL:g} s (the default 0.5 s would outlast the "
-        "hold-off)",
+        f"(tickTime 500 ms, forceSync=no; the session timeout follows the lease); "
+        f"filesystem on a local temp dir with poll_interval={FILE_POLL:g} s (the default "
+        "0.5 s would outlast the hold-off)",
         *_not_measured(results),
         "",
         "## 1. Graceful handoff latency (resign() to the other's ACQUIRED)",

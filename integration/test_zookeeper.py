@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,78 @@ async def test_session_timeout_must_not_exceed_the_lease(zookeeper_server: BaseS
         LeaderElection(p, group=fresh(), lease_duration=3.0)
     LeaderElection(p, group=fresh(), lease_duration=5.0)
     await p.aclose()
+
+
+async def test_a_handoff_creates_one_node_and_writes_nothing_else(
+    zookeeper_server: BaseServer, raw: KazooClient
+) -> None:
+    """The follower's watch sees the leader's node go: its new node leads from its creation."""
+    group = fresh()
+    a, b = ZooKeeperProvider(hosts(zookeeper_server)), ZooKeeperProvider(hosts(zookeeper_server))
+    async with a, b:
+        first = LeaderElection(a, group=group, participant_id="a", lease_duration=4.0)
+        second = LeaderElection(b, group=group, participant_id="b", lease_duration=4.0)
+        async with first:
+            old = await asyncio.wait_for(first.wait_until_leader(), 10)
+            async with second:  # b follows without a node of its own, watching the group
+                await wait_for("b's view to hold a's record", lambda: held(b, group), 5)
+                await first.resign()
+                new = await asyncio.wait_for(second.wait_until_leader(), 5)
+                assert new.token == old.token + 1  # one create, no other candidate between
+                (name,) = children(raw, group)
+                _, stat = raw.get(f"{ROOT}/{group}/{name}")
+                assert stat.version == 0  # never written: its creation time starts the term
+                assert new.acquired_at == datetime.fromtimestamp(stat.ctime / 1000, UTC)
+                seen = await a.get_leader(group)
+                assert seen is not None
+                assert (seen.participant_id, seen.token) == ("b", new.token)
+                assert seen.acquired_at == new.acquired_at
+
+
+async def test_the_watched_view_follows_the_leader_node(
+    zookeeper_server: BaseServer, raw: KazooClient
+) -> None:
+    """get_leader answers from the watch's view, which never keeps a node that is gone."""
+    group = fresh()
+    async with ZooKeeperProvider(hosts(zookeeper_server)) as p:
+        q = ZooKeeperProvider(hosts(zookeeper_server))
+
+        async def sees(pid: str | None, meta: dict[str, str] | None = None) -> bool:
+            info = await p.get_leader(group)
+            if info is None or pid is None:
+                return info is None and pid is None
+            return info.participant_id == pid and meta in (None, info.metadata)
+
+        async def follow() -> None:
+            async for _ in p.watch(group):
+                pass
+
+        task = asyncio.create_task(follow())
+        try:
+            info = await q.try_acquire(group, "q1", 8.0, {"k": "v"})
+            assert info is not None
+            await wait_for("p's view to hold q1's record", lambda: held(p, group), 5)
+            assert await sees("q1", {"k": "v"})
+            assert await q.renew(group, "q1", info.token, 8.0, {"k": "w"})
+            await wait_for("p to see the new metadata", lambda: sees("q1", {"k": "w"}), 5)
+            (name,) = children(raw, group)
+            raw.delete(f"{ROOT}/{group}/{name}")  # as ZooKeeper does when q's session ends
+            await wait_for("p to see nobody", lambda: sees(None), 5)
+            view = p._views[group]
+            await wait_for("p's view to settle", lambda: view.armed and not view.pending, 5)
+            assert p._all_gone(p.client, group) == info.token
+            record = json.dumps({"participant_id": "manual", "metadata": {}}).encode()
+            with p._lock:  # hold p's view still (its next event waits), as if it were late
+                raw.create(f"{ROOT}/{group}/x-manual-", record, ephemeral=True, sequence=True)
+                # The view says "all gone", but the new node's token does not follow the
+                # highest it listed: a node came in between, so p1 must not lead.
+                assert await p.try_acquire(group, "p1", 8.0, {}) is None
+            await wait_for("p to see the manual node lead", lambda: sees("manual"), 5)
+        finally:
+            task.cancel()
+            await q.aclose()
+
+
+def held(p: ZooKeeperProvider, group: str) -> bool:
+    known = p._known(p.client, group)
+    return known is not None and known[1] is not None

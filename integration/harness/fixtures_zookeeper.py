@@ -4,7 +4,8 @@ Resolution, as for every backend: ``MULTILOCK_TEST_ZOOKEEPER_URL`` (``zookeeper:
 else a throwaway local server (apt ``zookeeper``: the jar in ``/usr/share/java`` and
 ``java`` on PATH), else the ``zookeeper:3.8`` image when Docker answers, else skip (fail
 in CI). The server runs with ``tickTime=500`` and session timeouts of 1..60 s, so the
-contract runs with a 2 s lease.
+contract runs with a 2 s lease, and with ``forceSync=no`` (no fsync per write, as the
+PostgreSQL and etcd servers of the harness).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class ZooKeeperServer(Server):
                     "4lw.commands.whitelist=ruok,srvr,stat,mntr",
                     "minSessionTimeout=1000",
                     "maxSessionTimeout=60000",
+                    # Like PostgreSQL's fsync=off and etcd's --unsafe-no-fsync here: a
+                    # write survives kill() (it is in the OS cache), only an OS crash
+                    # could lose it, and a throwaway server need not survive that.
+                    "forceSync=no",
                     "",
                 ]
             )
@@ -107,7 +112,7 @@ SPECS.setdefault(
         env={
             "ZOO_TICK_TIME": "500",
             "ZOO_4LW_COMMANDS_WHITELIST": "ruok,srvr,stat,mntr",
-            "ZOO_CFG_EXTRA": "minSessionTimeout=1000 maxSessionTimeout=60000",
+            "ZOO_CFG_EXTRA": "minSessionTimeout=1000 maxSessionTimeout=60000 forceSync=no",
         },
     ),
 )

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import socket
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from multilock.core import ConfigurationError, ElectionOptions, ProviderError, from_url
 from multilock.zookeeper import ZooKeeperProvider
 from multilock.zookeeper._config import parse_url
-from multilock.zookeeper._nodes import ordered, token_of
+from multilock.zookeeper._nodes import decode, encode, ordered, token_of
 
 SECRET = "s3cr%40t"  # percent-encoded "s3cr@t"
 
@@ -76,6 +76,16 @@ def test_candidates_are_ordered_by_sequence_not_by_name() -> None:
     assert [name for _, name in ordered(names)] == [names[0], names[2], names[1]]
     assert token_of("x-0000000000") == 1  # tokens are sequence numbers plus one
     assert token_of("short") is None
+
+
+def test_a_record_without_acquired_at_dates_from_the_node_itself() -> None:
+    # A node that led from its creation is never written: its mtime (its ctime) is
+    # the start of the term; once written, the record says.
+    info = decode(7, encode("p1", {"k": "v"}, None), 1_700_000_000_123)
+    assert (info.participant_id, info.token, info.metadata) == ("p1", 7, {"k": "v"})
+    assert info.acquired_at == datetime(2023, 11, 14, 22, 13, 20, 123000, tzinfo=UTC)
+    since = datetime(2024, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+    assert decode(7, encode("p1", {}, since), 1).acquired_at == since
 
 
 async def test_names_are_checked_before_any_io() -> None:

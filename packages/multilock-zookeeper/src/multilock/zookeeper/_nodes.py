@@ -3,13 +3,14 @@
 A candidate node is named ``<random prefix>-<participant>-<sequence>``; ZooKeeper appends
 the 10-digit sequence number. Candidates are ordered by that number only, never by
 name (ordering by name, as the .NET original does, can elect two leaders). A node's data
-is a JSON record: ``participant_id``, ``metadata`` and, once it leads, ``acquired_at``.
+is a JSON record: ``participant_id``, ``metadata`` and, once it leads, ``acquired_at``
+unless the node led from its creation: then the node's creation time (its ``mtime`` until
+its first update) is the start of the term, and no write is needed to record it.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,7 +20,15 @@ from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
 
 from multilock.core import LeaderInfo
 
-__all__ = ["Node", "decode", "encode", "make_client", "ordered", "token_of"]
+__all__ = [
+    "Node",
+    "decode",
+    "encode",
+    "make_client",
+    "ordered",
+    "server_time",
+    "token_of",
+]
 
 _DIGITS = 10
 
@@ -49,10 +58,14 @@ class Node:
     session: int | None = None
     #: time.monotonic() after which the node is deleted unless refreshed.
     deadline: float = 0.0
-    timer: threading.Timer | None = None
+    #: A create was sent: if its reply was lost, the node may exist under our prefix.
+    sent: bool = False
     acquired_at: datetime | None = None
-    #: The data last written, to skip writes that change nothing.
-    data: bytes = b""
+    #: The metadata in the stored record, to skip writes that change nothing.
+    meta: dict[str, str] | None = None
+    #: The stored record tells readers ``acquired_at`` (in its data, or as the node's
+    #: mtime when it led from its creation and was never written since).
+    stamped: bool = False
 
 
 def encode(participant_id: str, metadata: dict[str, str], since: datetime | None) -> bytes:
@@ -60,6 +73,11 @@ def encode(participant_id: str, metadata: dict[str, str], since: datetime | None
     if since is not None:
         record["acquired_at"] = since.isoformat()
     return json.dumps(record).encode()
+
+
+def server_time(ms: int) -> datetime:
+    """A ZooKeeper ``ctime``/``mtime`` (milliseconds since the epoch) as a UTC datetime."""
+    return datetime.fromtimestamp(ms / 1000, UTC)
 
 
 def decode(token: int, data: bytes, mtime_ms: int) -> LeaderInfo:
@@ -70,9 +88,7 @@ def decode(token: int, data: bytes, mtime_ms: int) -> LeaderInfo:
         participant_id=record["participant_id"],
         token=token,
         metadata=record.get("metadata", {}),
-        acquired_at=(
-            datetime.fromisoformat(since) if since else datetime.fromtimestamp(mtime_ms / 1000, UTC)
-        ),
+        acquired_at=datetime.fromisoformat(since) if since else server_time(mtime_ms),
     )
 
 
