@@ -514,6 +514,7 @@ class LeaderElection:
         self._wake.clear()
 
     async def _sleep_until(self, when: float, event: asyncio.Event) -> None:
+        _raise_if_cancelled()
         if event.is_set():
             return
         with contextlib.suppress(TimeoutError):
@@ -560,6 +561,15 @@ class LeaderElection:
                 self._end_term(leadership, "deadline passed without a successful renew")
                 return
             ok: bool | None = None
+            # The timeout below cancels the renew, but a provider may take a while to settle
+            # a cancelled call (psycopg cancels the query on the server, a worker thread runs
+            # to its socket timeout): end the term at its deadline all the same.
+            watchdog = asyncio.get_running_loop().call_at(
+                leadership._deadline,
+                self._end_term,
+                leadership,
+                "deadline passed while a renew was still settling",
+            )
             try:
                 bound = min(leadership._deadline, now + options.renew_interval)
                 async with asyncio.timeout_at(bound):
@@ -572,6 +582,8 @@ class LeaderElection:
                     )
             except Exception as exc:
                 log.warning("renew of %s token %d failed: %r", self.group, leadership.token, exc)
+            finally:
+                watchdog.cancel()
             if self._leadership is not leadership:
                 return
             if ok is True:
@@ -597,6 +609,7 @@ class LeaderElection:
             try:
                 self._watch_alive = True
                 async for _ in stream:
+                    _raise_if_cancelled()
                     self._wake.set()
                     if self._leadership is not None:
                         self._interrupt.set()  # a leader checks its lease at once
@@ -608,8 +621,21 @@ class LeaderElection:
                 if aclose is not None:
                     with contextlib.suppress(Exception):
                         await aclose()
+            _raise_if_cancelled()
             self._wake.set()
             await asyncio.sleep(_jitter(self._options.retry_interval))
+
+
+def _raise_if_cancelled() -> None:
+    """Honour a cancellation that a driver swallowed.
+
+    Python 3.11's ``asyncio.wait_for`` (redis-py sends every command through it) returns
+    the inner result when the call finishes just as the cancel lands: the task runs on
+    with the cancel still requested, and `stop()` would wait for it forever.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _no_clock() -> float:
