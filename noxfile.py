@@ -3,12 +3,13 @@
 Sessions:
 - ci: everything CI checks: server install, ruff, mypy --strict, unit, packaging, sample,
   integration (real servers) and fault-injection tests.
-- lint, typecheck, tests (no servers), integration, demo, bench, compose (against
-  docker-compose.yml).
+- lint, typecheck, tests (no servers), integration, faults (the long fault campaign), demo,
+  bench, compose (against docker-compose.yml).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import quote
 
@@ -93,6 +94,23 @@ def integration(session: nox.Session) -> None:
     _servers(session)
     _install_all(session)
     session.run("pytest", "integration", *session.posargs)
+
+
+@nox.session
+def faults(session: nox.Session) -> None:
+    """The fault campaign in long mode: 60 faults per backend (``-- -k redis`` narrows it).
+
+    ``MULTILOCK_CAMPAIGN_FAULTS`` and ``MULTILOCK_CAMPAIGN_SEED`` may be set to change the
+    count and the sequence; the summary is written to ``faults-report.json``.
+    """
+    _servers(session)
+    _install_all(session)
+    env = {
+        "MULTILOCK_CAMPAIGN_FAULTS": os.environ.get("MULTILOCK_CAMPAIGN_FAULTS", "60"),
+        "MULTILOCK_CAMPAIGN_OUT": str(ROOT / "faults-report.json"),
+    }
+    session.run("pytest", "integration/test_campaign.py", "-p", "no:cacheprovider",
+                *session.posargs, env=env)  # fmt: skip
 
 
 @nox.session

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,8 @@ from ._timeline import TimelineReport, check_timeline, read_event_logs
 
 __all__ = ["Cluster", "Member"]
 
+_URL_VAR = "MULTILOCK_PARTICIPANT_URL"
+
 
 @attrs.define(eq=False)
 class Member:
@@ -25,6 +27,8 @@ class Member:
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     frozen: bool = False
+    #: The store URL of this member, when it differs from the cluster's (`Cluster` *urls*).
+    url: str | None = None
 
     @property
     def alive(self) -> bool:
@@ -37,6 +41,10 @@ class Cluster:
     The faults (`kill`, `freeze`/`thaw`, `terminate`, `resign`) are real signals to real
     processes. `check()` merges the logs and judges them with `check_timeline`, knowing
     when each process was killed. Use as a context manager: every process is killed on exit.
+
+    *urls* gives each member a URL of its own (member ``i`` gets ``urls[i]``), e.g. through
+    a proxy per member so that a network fault can cut one of them off; by default every
+    member uses *url*.
     """
 
     def __init__(
@@ -50,7 +58,10 @@ class Cluster:
         retry: float | None = None,
         log_dir: str | Path | None = None,
         env: Mapping[str, str] | None = None,
+        urls: Sequence[str] | None = None,
     ) -> None:
+        if urls is not None and len(urls) != size:
+            raise ValueError(f"urls names {len(urls)} URL(s) for {size} members")
         self.url = url
         self.group = group
         self.lease = lease
@@ -61,8 +72,11 @@ class Cluster:
         self._tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="mlc-")
         self.log_dir = Path(log_dir if log_dir is not None else self._tmp.name)  # type: ignore[union-attr]
         # The URL travels in the environment: a password must not show in `ps`.
-        self._env = {**os.environ, **(env or {}), "MULTILOCK_PARTICIPANT_URL": url}
-        self.members = [Member(f"{group}-p{i}", self.log_dir / f"p{i}.jsonl") for i in range(size)]
+        self._env = {**os.environ, **(env or {}), _URL_VAR: url}
+        self.members = [
+            Member(f"{group}-p{i}", self.log_dir / f"p{i}.jsonl", url=urls[i] if urls else None)
+            for i in range(size)
+        ]
         self.kills: dict[str, list[float]] = {}
 
     def __enter__(self) -> Cluster:
@@ -86,7 +100,8 @@ class Cluster:
             "--log", str(member.log_path), "--lease", str(self.lease), *self._extra,
         ]  # fmt: skip
         stderr = open(member.log_path.with_suffix(".stderr"), "ab")  # noqa: SIM115
-        member.process = subprocess.Popen(cmd, env=self._env, stderr=stderr)
+        env = self._env if member.url is None else {**self._env, _URL_VAR: member.url}
+        member.process = subprocess.Popen(cmd, env=env, stderr=stderr)
         stderr.close()
         member.frozen = False
 
