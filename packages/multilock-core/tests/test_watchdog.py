@@ -78,3 +78,26 @@ def test_stop_survives_a_driver_that_swallows_a_cancel():
         assert not election.is_leader
 
     clock.run(main())
+
+
+def test_the_election_campaigns_again_without_waiting_for_the_settle():
+    """The cancelled renew settles in the background (30 s here): the next term comes first."""
+    clock = FakeClock()
+
+    async def main():
+        provider = SlowToCancel(clock=clock.monotonic)
+        election = LeaderElection(provider, group="g", participant_id="a", lease_duration=LEASE)
+        events = election.events(EventKind.LOST)
+        await election.start()
+        first = await election.wait_until_leader()
+        provider.stuck = True
+        await anext(events)
+        lost_at = asyncio.get_running_loop().time()
+        provider.stuck = False
+        second = await election.wait_until_leader()
+        again = asyncio.get_running_loop().time() - lost_at
+        assert second.token > first.token
+        assert again < 10, f"the next term came {again:.1f} s after LOST (the settle takes 30 s)"
+        await election.stop()
+
+    clock.run(main())

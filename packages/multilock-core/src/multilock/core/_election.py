@@ -444,8 +444,10 @@ class LeaderElection:
 
     async def _release(self, token: int) -> None:
         try:
-            async with asyncio.timeout(self._options.renew_interval):
-                await self._provider.release(self.group, self.participant_id, token)
+            await _call_until(
+                self._provider.release(self.group, self.participant_id, token),
+                asyncio.get_running_loop().time() + self._options.renew_interval,
+            )
         except Exception as exc:  # the lease then simply expires
             log.warning("release of %s token %d failed: %r", self.group, token, exc)
 
@@ -572,14 +574,16 @@ class LeaderElection:
             )
             try:
                 bound = min(leadership._deadline, now + options.renew_interval)
-                async with asyncio.timeout_at(bound):
-                    ok = await self._provider.renew(
+                ok = await _call_until(
+                    self._provider.renew(
                         self.group,
                         self.participant_id,
                         leadership.token,
                         options.lease_duration,
                         options.metadata,
-                    )
+                    ),
+                    bound,
+                )
             except Exception as exc:
                 log.warning("renew of %s token %d failed: %r", self.group, leadership.token, exc)
             finally:
@@ -624,6 +628,35 @@ class LeaderElection:
             _raise_if_cancelled()
             self._wake.set()
             await asyncio.sleep(_jitter(self._options.retry_interval))
+
+
+#: Provider calls that timed out and are still settling their cancellation.
+_SETTLING: set[asyncio.Task[Any]] = set()
+
+
+async def _call_until(call: Coroutine[Any, Any, T], deadline: float) -> T:
+    """Await a provider *call* until *deadline* (loop time), else raise `TimeoutError`.
+
+    A call that times out (or whose caller is cancelled) is cancelled but not waited for:
+    a driver may take seconds to settle a cancellation (psycopg cancels the query on the
+    server, a worker thread runs to its socket timeout), and the election must step down,
+    campaign again or stop meanwhile. The call settles in the background.
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await asyncio.shield(task)
+    finally:
+        if not task.done():
+            task.cancel()
+            _SETTLING.add(task)
+            task.add_done_callback(_settled)
+
+
+def _settled(task: asyncio.Task[Any]) -> None:
+    _SETTLING.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a timed-out provider call ended with %r", task.exception())
 
 
 def _raise_if_cancelled() -> None:
