@@ -165,7 +165,7 @@ def test_hung_renew_steps_down_exactly_at_the_deadline():
         leadership = await a.wait_until_leader()
         await asyncio.sleep(1)
         faulty.inject(Fault.HANG)
-        deadline = leadership._deadline
+        deadline = leadership.deadline
         assert deadline - world.clock.now < LEASE
         while a.is_leader:
             await asyncio.sleep(0.001)

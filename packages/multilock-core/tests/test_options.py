@@ -71,9 +71,16 @@ def test_limits_themselves_are_accepted():
     options = ElectionOptions(
         group="g" * 255,
         participant_id="A-z_0.9",
-        metadata={**{f"k{i}": "" for i in range(99)}, "k" * 255: "v" * 4000},
+        metadata={**{f"k{i}": "" for i in range(98)}, "k" * 255: "v" * 4000},
     )
-    assert len(options.metadata) == 100
+    assert len(options.metadata) == 99  # the election adds its instance nonce as the 100th
+
+
+def test_metadata_leaves_room_for_the_instance_nonce_and_reserves_its_key():
+    with pytest.raises(ConfigurationError, match=r"at most 99 \(it adds one of its own\)"):
+        ElectionOptions(metadata={f"k{i}": "" for i in range(100)})
+    with pytest.raises(ConfigurationError, match=r"'multilock\.instance' is reserved"):
+        ElectionOptions(metadata={"multilock.instance": "x"})
 
 
 def test_renew_interval_rule_names_the_inequality_and_values():

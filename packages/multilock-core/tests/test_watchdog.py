@@ -36,7 +36,7 @@ def test_a_renew_slow_to_cancel_still_ends_the_term_at_its_deadline():
         provider.stuck = True
         lost = await anext(events)
         assert lost.token == leadership.token
-        late = asyncio.get_running_loop().time() - leadership._deadline
+        late = asyncio.get_running_loop().time() - leadership.deadline
         assert late < 0.1, f"LOST came {late:.3f} s after the deadline"
         provider.stuck = False
         await election.stop()

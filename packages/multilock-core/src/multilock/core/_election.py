@@ -1,12 +1,21 @@
 """`LeaderElection`: the state machine that campaigns, leads, renews and steps down.
 
-Safety (design section 3): a term's deadline is computed from the moment the last
-successful acquire/renew was *sent*, on the event loop's monotonic clock:
-``sent + lease_duration * (1 - max_clock_drift) - margin``. The store cannot expire the
-lease before that instant, so when the deadline passes without a successful renew this
-process has already stopped leading (``is_leader`` is judged on the clock, leader tasks are
-cancelled, LOST is emitted), whatever the provider is doing. Every provider call made while
-leading is bounded by the deadline; a renew that raises or hangs is a failed renew.
+Where each decision is made (design section 3), one place each:
+
+- states: `_TRANSITIONS` is the whole table, `_step` the only writer of ``_state``;
+- ACQUIRED and the first deadline: `_begin_term`;
+- a deadline moves only in `_extend` (``sent + lease * (1 - max_clock_drift) - margin``,
+  from the moment the successful acquire/renew was *sent*); a timer at that instant ends
+  the term whatever the provider is doing;
+- LOST and the hold-off: `_end_term`, synchronously, so LOST is emitted exactly once per
+  ACQUIRED, as ``is_leader`` turns false, and before any await a cancellation could skip;
+- whether a stored term is ours: `_Campaign.mine` (participant id *and* this run's nonce).
+
+Every provider call goes through `_call_until`, which bounds it and never waits for a
+driver that is slow to cancel. Public coroutines do their state changes synchronously and
+leave the slow part (waiting for leader work, releasing) to code that a cancellation of
+the caller cannot cut in half: `stop()` runs it in one shutdown task that a repeated
+``stop()`` awaits again.
 """
 
 from __future__ import annotations
@@ -16,14 +25,17 @@ import contextlib
 import enum
 import logging
 import random
+import secrets
 from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+import attrs
+
 from ._errors import ConfigurationError, MultilockError, ProviderError
 from ._events import EventHub, EventStream
-from ._options import ElectionOptions
+from ._options import INSTANCE_KEY, ElectionOptions
 from ._provider import Provider
 from ._types import (
     ElectionState,
@@ -34,6 +46,7 @@ from ._types import (
     LeadershipEvent,
     RunResult,
     RunStatus,
+    _Term,
 )
 
 __all__ = ["LeaderElection", "watch_leader"]
@@ -41,30 +54,80 @@ __all__ = ["LeaderElection", "watch_leader"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+S = ElectionState
 
-_ALLOWED: dict[ElectionState, frozenset[ElectionState]] = {
-    ElectionState.IDLE: frozenset({ElectionState.CAMPAIGNING}),
-    ElectionState.CAMPAIGNING: frozenset({ElectionState.LEADING, ElectionState.STOPPING}),
-    ElectionState.LEADING: frozenset({ElectionState.CAMPAIGNING, ElectionState.STOPPING}),
-    ElectionState.STOPPING: frozenset({ElectionState.STOPPED}),
-    ElectionState.STOPPED: frozenset({ElectionState.CAMPAIGNING}),
+
+class _Event(enum.Enum):
+    START = "start"
+    WON = "won"
+    TERM_ENDED = "term ended"
+    STOP = "stop"
+    STOPPED = "stopped"
+
+
+#: Every legal transition: (state, event) -> next state.
+_TRANSITIONS: dict[tuple[ElectionState, _Event], ElectionState] = {
+    (S.IDLE, _Event.START): S.CAMPAIGNING,
+    (S.STOPPED, _Event.START): S.CAMPAIGNING,
+    (S.CAMPAIGNING, _Event.WON): S.LEADING,
+    (S.LEADING, _Event.TERM_ENDED): S.CAMPAIGNING,
+    (S.CAMPAIGNING, _Event.STOP): S.STOPPING,
+    (S.LEADING, _Event.STOP): S.STOPPING,
+    (S.STOPPING, _Event.STOPPED): S.STOPPED,
 }
 
-
-class _Unknown(enum.Enum):
-    UNKNOWN = "unknown"
-
-
-_UNKNOWN = _Unknown.UNKNOWN
+_UNKNOWN = object()
 
 
 def _key(info: LeaderInfo | None) -> tuple[str, int] | None:
     return None if info is None else (info.participant_id, info.token)
 
 
+def _public(info: LeaderInfo | None) -> LeaderInfo | None:
+    """*info* without the election's private instance nonce."""
+    if info is None or INSTANCE_KEY not in info.metadata:
+        return info
+    metadata = {k: v for k, v in info.metadata.items() if k != INSTANCE_KEY}
+    return attrs.evolve(info, metadata=metadata)
+
+
 def _jitter(seconds: float) -> float:
     """Spread retries of many followers over the last quarter of the interval."""
     return seconds * random.uniform(0.75, 1.0)
+
+
+@attrs.define
+class _Campaign:
+    """What one run (start to stop) of the election remembers between terms."""
+
+    #: Stored with every term we create, so a term is recognised as this run's own.
+    nonce: str = attrs.field(factory=lambda: secrets.token_hex(8))
+    #: After a term ends, others get the first try until then (unless one leads meanwhile).
+    holdoff_until: float = 0.0
+    #: The token of our last term: a record of it on the store is never resumed.
+    lost_token: int | None = None
+    #: An acquire was sent whose outcome we do not know.
+    in_doubt: bool = False
+    observed: object = _UNKNOWN
+    watch_alive: bool = False
+    #: The last campaign round raised: no notification will say the store is back.
+    round_failed: bool = False
+
+    def mine(self, info: LeaderInfo, participant_id: str) -> bool:
+        return info.participant_id == participant_id and info.metadata.get(INSTANCE_KEY) == (
+            self.nonce
+        )
+
+
+@attrs.define
+class _Stats:
+    terms_won: int = 0
+    acquire_attempts: int = 0
+    acquire_failures: int = 0
+    renewals: int = 0
+    renew_failures: int = 0
+    last_renew_latency: float | None = None
+    leader_time: float = 0.0
 
 
 class LeaderElection:
@@ -108,28 +171,17 @@ class LeaderElection:
         self._hub = EventHub()
         self._state = ElectionState.IDLE
         self._clock: Callable[[], float] = _no_clock
-        self._task: asyncio.Task[None] | None = None
-        self._watch_task: asyncio.Task[None] | None = None
-        self._lifecycle: asyncio.Lock | None = None
-        self._leadership: Leadership | None = None
+        self._campaign = _Campaign()
+        self._leadership: Leadership | None = None  # the current term's one view
         self._term_tasks: set[asyncio.Task[Any]] = set()
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._run_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._shutdown_task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
-        self._wake = asyncio.Event()
-        self._interrupt = asyncio.Event()
-        self._observed: tuple[str, int] | _Unknown | None = _UNKNOWN
-        self._lost_token: int | None = None
-        self._acquire_in_doubt = False
-        self._holdoff_until = 0.0
-        self._watch_alive = False
-        # statistics
-        self._terms_won = 0
-        self._acquire_attempts = 0
-        self._acquire_failures = 0
-        self._renewals = 0
-        self._renew_failures = 0
-        self._last_renew_latency: float | None = None
-        self._leader_time = 0.0
-        self._term_started = 0.0
+        self._wake = asyncio.Event()  # the store may have changed: look again
+        self._interrupt = asyncio.Event()  # the leader loop: renew now, or the term ended
+        self._stats = _Stats()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -155,14 +207,19 @@ class LeaderElection:
     @property
     def is_leader(self) -> bool:
         """True only while this process holds a term whose local deadline has not passed."""
-        leadership = self._leadership
-        return leadership is not None and leadership.is_valid
+        term = self._term
+        return term is not None and term.is_valid
 
     @property
     def leadership(self) -> Leadership | None:
         """The current valid term, or None."""
         leadership = self._leadership
         return leadership if leadership is not None and leadership.is_valid else None
+
+    @property
+    def _term(self) -> _Term | None:
+        leadership = self._leadership
+        return None if leadership is None else leadership._term
 
     def __repr__(self) -> str:
         return (
@@ -173,60 +230,66 @@ class LeaderElection:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Begin campaigning in a background task. Idempotent; works again after stop()."""
-        if self._lifecycle is None:
-            self._lifecycle = asyncio.Lock()
-        async with self._lifecycle:
-            if self._state in (ElectionState.CAMPAIGNING, ElectionState.LEADING):
-                return
-            loop = asyncio.get_running_loop()
-            self._clock = loop.time
-            self._observed = _UNKNOWN
-            self._acquire_in_doubt = False
-            self._holdoff_until = 0.0
-            self._wake = asyncio.Event()
-            self._interrupt = asyncio.Event()
-            self._transition(ElectionState.CAMPAIGNING)
-            options = self._options
-            log.info(
-                "election %s/%s starting: lease %.3g s, renew every %.3g s, retry every "
-                "%.3g s; worst-case failover after a crash %.3g s plus the store's detection",
-                options.group,
-                options.participant_id,
-                options.lease_duration,
-                options.renew_interval,
-                options.retry_interval,
-                options.worst_case_failover,
-            )
-            self._watch_task = loop.create_task(
-                self._watch_loop(), name=f"multilock-watch-{options.group}"
-            )
-            self._task = loop.create_task(self._run(), name=f"multilock-{options.group}")
+        while self._shutdown_task is not None:  # a stop() in progress (maybe cancelled)
+            await asyncio.shield(self._shutdown_task)
+        if self._state in (ElectionState.CAMPAIGNING, ElectionState.LEADING):
+            return
+        loop = asyncio.get_running_loop()
+        self._clock = loop.time
+        self._campaign = _Campaign()
+        self._wake, self._interrupt = asyncio.Event(), asyncio.Event()
+        self._step(_Event.START)
+        options = self._options
+        log.info(
+            "election %s/%s starting: lease %.3g s, renew every %.3g s, retry every "
+            "%.3g s; worst-case failover after a crash %.3g s plus the store's detection",
+            options.group,
+            options.participant_id,
+            options.lease_duration,
+            options.renew_interval,
+            options.retry_interval,
+            options.worst_case_failover,
+        )
+        self._watch_task = loop.create_task(
+            self._watch_loop(), name=f"multilock-watch-{options.group}"
+        )
+        self._run_task = loop.create_task(self._run(), name=f"multilock-{options.group}")
 
     async def stop(self) -> None:
-        """Cancel leader work, release leadership (if ``release_on_stop``), emit LOST.
+        """Cancel leader work, release leadership (if ``release_on_stop``), end the streams.
 
-        Idempotent. The provider stays open.
+        LOST is emitted at once, as the term ends. Idempotent; cancelling the caller does
+        not interrupt the shutdown, and a repeated ``stop()`` waits for it. The provider
+        stays open.
         """
-        if self._lifecycle is None:
-            self._hub.end_all()
-            return
-        async with self._lifecycle:
-            if self._state in (ElectionState.IDLE, ElectionState.STOPPED):
+        if self._shutdown_task is None:
+            if self._state not in (ElectionState.CAMPAIGNING, ElectionState.LEADING):
                 self._hub.end_all()
                 return
-            self._transition(ElectionState.STOPPING)
-            await _cancel_and_wait(self._task, self._watch_task)
-            self._task = self._watch_task = None
-            leadership = self._leadership
-            if leadership is not None:
-                self._end_term(leadership, "stopping", emit=False)
-                await self._wait_term_tasks(leadership)
+            self._step(_Event.STOP)
+            for task in (self._run_task, self._watch_task):
+                if task is not None:
+                    task.cancel()  # now: no campaign round may begin a term after this
+            term = self._term
+            if term is not None:
+                self._end_term(term, "stopping")
+            self._shutdown_task = asyncio.get_running_loop().create_task(
+                self._shutdown(term), name=f"multilock-stop-{self.group}"
+            )
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, term: _Term | None) -> None:
+        try:
+            await _cancel_and_wait(self._run_task, self._watch_task)
+            if term is not None:
+                await self._wait_term_tasks(term)
                 if self._options.release_on_stop:
-                    await self._release(leadership.token)
-                self._emit(EventKind.LOST, token=leadership.token)
-            elif self._acquire_in_doubt and self._options.release_on_stop:
+                    await self._release(term.info.token)
+            elif self._campaign.in_doubt and self._options.release_on_stop:
                 await self._release_if_mine()
-            self._transition(ElectionState.STOPPED)
+        finally:
+            self._run_task = self._watch_task = self._shutdown_task = None
+            self._step(_Event.STOPPED)
             self._hub.end_all()
 
     async def __aenter__(self) -> Self:
@@ -242,17 +305,24 @@ class LeaderElection:
         await self.stop()
 
     # ------------------------------------------------------------------ waiting and work
-    async def wait_until_leader(self) -> Leadership:
-        """Return the current term, waiting for one if needed.
+    async def wait_until_leader(self, timeout: float | None = None) -> Leadership:  # noqa: ASYNC109 (design section 7 names it)
+        """Return the current term, waiting for one if needed (at most *timeout* seconds).
 
-        Raises `MultilockError` if the election is not running or stops meanwhile.
+        Raises `MultilockError` if the election is not running or stops meanwhile, and
+        `TimeoutError` when *timeout* passes first.
         """
-        while True:
-            leadership = self.leadership
-            if leadership is not None:
-                return leadership
-            self._require_running("wait_until_leader")
-            await self._wait_change()
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    leadership = self.leadership
+                    if leadership is not None:
+                        return leadership
+                    self._require_running("wait_until_leader")
+                    await self._changed.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.group}/{self.participant_id} did not become leader within {timeout:g} s"
+            ) from None
 
     async def run_while_leader(
         self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any
@@ -270,15 +340,14 @@ class LeaderElection:
             except MultilockError:
                 return  # stopped
             task = self._start_term_task(leadership, fn(leadership, *args))
-            await _wait_shielding_cancel(task)
+            await self._wait_task(task, leadership)
             if not task.cancelled() and task.exception() is not None:
                 exc = task.exception()
                 assert exc is not None
                 log.error("leader work of %s raised; resigning", self.group, exc_info=exc)
                 await self.resign()
                 raise exc
-            while self._leadership is leadership and leadership.is_valid:
-                await self._wait_change()
+            await leadership.wait_lost()
 
     async def run_if_leader(
         self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any
@@ -292,30 +361,31 @@ class LeaderElection:
         if leadership is None:
             return RunResult(status=RunStatus.NOT_LEADER)
         task = self._start_term_task(leadership, fn(leadership, *args))
-        await _wait_shielding_cancel(task)
+        await self._wait_task(task, leadership)
         if task.cancelled():
             return RunResult(status=RunStatus.LOST)
         return RunResult(status=RunStatus.COMPLETED, value=task.result())
 
     async def resign(self) -> None:
-        """Give up leadership now and go back to campaigning after ``retry_interval``.
+        """Give up leadership now; a waiting candidate takes over.
 
-        A waiting candidate takes over in the meantime. A no-op when not leading.
+        LOST is emitted at once; leader work is cancelled and given until the term's
+        deadline to finish, then the lease is released. This election campaigns again
+        after ``retry_interval``, or as soon as another participant has led. A no-op when
+        not leading.
         """
-        leadership = self._leadership
-        if leadership is None or self._state is not ElectionState.LEADING:
+        term = self._term
+        if term is None or self._state is not ElectionState.LEADING:
             return
-        self._end_term(leadership, "resigned", emit=False)
-        self._interrupt.set()
-        await self._wait_term_tasks(leadership)
-        await self._release(leadership.token)
-        self._emit(EventKind.LOST, token=leadership.token)
+        self._end_term(term, "resigned")
+        await self._wait_term_tasks(term)
+        await self._release(term.info.token)
 
     async def current_leader(self) -> LeaderInfo | None:
         """Ask the store for the live leader (None when nobody holds a live lease)."""
+        deadline = asyncio.get_running_loop().time() + self._options.lease_duration
         try:
-            async with asyncio.timeout(self._options.lease_duration):
-                return await self._provider.get_leader(self.group)
+            return _public(await _call_until(self._provider.get_leader(self.group), deadline))
         except TimeoutError:
             raise ProviderError(
                 f"get_leader({self.group!r}) did not answer within "
@@ -327,96 +397,91 @@ class LeaderElection:
         return self._hub.subscribe(kinds)
 
     def statistics(self) -> ElectionStatistics:
-        leadership = self._leadership
-        current = self._clock() - self._term_started if leadership is not None else 0.0
+        term, stats = self._term, self._stats
+        current = self._clock() - term.started if term is not None else 0.0
         return ElectionStatistics(
             state=self._state,
             is_leader=self.is_leader,
-            token=leadership.token if leadership is not None else None,
-            terms_won=self._terms_won,
-            acquire_attempts=self._acquire_attempts,
-            acquire_failures=self._acquire_failures,
-            renewals=self._renewals,
-            renew_failures=self._renew_failures,
-            last_renew_latency=self._last_renew_latency,
-            time_as_leader=self._leader_time + current,
+            token=term.info.token if term is not None else None,
+            terms_won=stats.terms_won,
+            acquire_attempts=stats.acquire_attempts,
+            acquire_failures=stats.acquire_failures,
+            renewals=stats.renewals,
+            renew_failures=stats.renew_failures,
+            last_renew_latency=stats.last_renew_latency,
+            time_as_leader=stats.leader_time + current,
         )
 
-    # ------------------------------------------------------------------ internals
-    def _require_running(self, what: str) -> None:
-        if self._state not in (ElectionState.CAMPAIGNING, ElectionState.LEADING):
+    # ------------------------------------------------------------------ the state machine
+    def _step(self, event: _Event) -> None:
+        """Apply *event*: the only place the state changes."""
+        new = _TRANSITIONS.get((self._state, event))
+        if new is None:
             raise MultilockError(
-                f"{what}: election {self.group}/{self.participant_id} is "
-                f"{self._state.value}; start it first"
+                f"illegal election transition: {event.value} while {self._state.value}"
             )
-
-    def _transition(self, new: ElectionState) -> None:
-        if new not in _ALLOWED[self._state]:
-            raise MultilockError(f"illegal election transition {self._state.value} -> {new.value}")
         self._state = new
         self._notify_change()
 
-    def _notify_change(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+    def _begin_term(self, info: LeaderInfo, sent: float) -> None:
+        """We won: the only place a term starts and ACQUIRED is emitted."""
+        deadline = sent + self._usable_lease
+        if self._state is not ElectionState.CAMPAIGNING:  # stop() came first: let it release
+            self._campaign.in_doubt = True
+            return
+        if self._clock() >= deadline:
+            log.warning("acquire of %s answered too late to lead on", self.group)
+            return
+        term = _Term(
+            info=_public(info) or info, deadline=deadline, started=self._clock(), clock=self._clock
+        )
+        self._leadership = Leadership(
+            group=self.group, participant_id=self.participant_id, term=term
+        )
+        self._stats.terms_won += 1
+        self._interrupt.clear()
+        self._schedule_deadline(term)
+        self._step(_Event.WON)
+        log.info("%s/%s is leader with token %d", self.group, self.participant_id, info.token)
+        self._emit(EventKind.ACQUIRED, token=info.token, leader=info)
+        self._observe(info)
 
-    async def _wait_change(self) -> None:
-        await self._changed.wait()
+    def _extend(self, term: _Term, sent: float) -> None:
+        """A renew sent at *sent* succeeded: the only place a deadline moves."""
+        term.deadline = sent + self._usable_lease
+        self._schedule_deadline(term)
 
-    def _emit(
-        self, kind: EventKind, *, token: int | None, leader: LeaderInfo | None = None
-    ) -> None:
-        self._hub.publish(
-            LeadershipEvent(
-                kind=kind,
-                group=self.group,
-                participant_id=self.participant_id,
-                leader=leader,
-                token=token,
-                at=datetime.now(UTC),
-            )
+    def _schedule_deadline(self, term: _Term) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadline_timer = asyncio.get_running_loop().call_at(
+            term.deadline, self._end_term, term, "deadline passed without a successful renew"
         )
 
-    def _observe(self, info: LeaderInfo | None) -> None:
-        """Record the leader the store reports; emit LEADER_CHANGED when it differs."""
-        key = _key(info)
-        if key != self._observed:
-            self._observed = key
-            self._emit(
-                EventKind.LEADER_CHANGED, token=None if info is None else info.token, leader=info
-            )
-
-    def _start_term_task(
-        self, leadership: Leadership, coro: Coroutine[Any, Any, T]
-    ) -> asyncio.Task[T]:
-        task = asyncio.ensure_future(coro)
-        if self._leadership is not leadership or not leadership.is_valid:
-            task.cancel()
-        else:
-            self._term_tasks.add(task)
-            task.add_done_callback(self._term_tasks.discard)
-        return task
-
-    def _end_term(self, leadership: Leadership, reason: str, *, emit: bool = True) -> None:
-        """Step down locally, synchronously: invalid at once, leader tasks cancelled."""
-        if self._leadership is not leadership:
+    def _end_term(self, term: _Term, reason: str) -> None:
+        """Step down, synchronously: the only place LOST is emitted and a hold-off set."""
+        if term.ended_at is not None:
             return
-        leadership._ended_at = self._clock()
-        leadership.lost.set()
+        now = self._clock()
+        term.ended_at, term.end_reason = now, reason
+        term.lost.set()
+        term.ended.set()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
         self._leadership = None
-        self._lost_token = leadership.token
+        self._stats.leader_time += now - term.started
+        for task in list(self._term_tasks):
+            task.cancel()
+        campaign = self._campaign
+        campaign.lost_token = term.info.token
         # Whatever ended the term (a broken connection, a refused renew, resign), give the
         # other candidates the first try, long enough for polling followers to notice:
         # otherwise a participant whose renews fail but whose acquires succeed would take
-        # every term back at once, and a resign on a polling store would not hand over.
-        self._holdoff_until = (
-            self._clock() + self._options.retry_interval + self._provider.notify_delay
-        )
-        self._leader_time += self._clock() - self._term_started
-        for task in list(self._term_tasks):
-            task.cancel()
+        # every term back at once. The hold-off ends early once another participant leads.
+        campaign.holdoff_until = now + self._options.retry_interval + self._provider.notify_delay
         if self._state is ElectionState.LEADING:
-            self._transition(ElectionState.CAMPAIGNING)
+            self._step(_Event.TERM_ENDED)
         else:
             self._notify_change()
         self._interrupt.set()
@@ -426,201 +491,139 @@ class LeaderElection:
             "%s/%s stepped down (token %d): %s",
             self.group,
             self.participant_id,
-            leadership.token,
+            term.info.token,
             reason,
         )
-        if emit:
-            self._emit(EventKind.LOST, token=leadership.token)
+        self._emit(EventKind.LOST, token=term.info.token)
 
-    async def _wait_term_tasks(self, leadership: Leadership) -> None:
-        """Give cancelled leader work until the term's deadline to finish."""
-        tasks = list(self._term_tasks)
-        if not tasks:
-            return
-        remaining = max(leadership._deadline - self._clock(), 0.0)
-        _, pending = await asyncio.wait(tasks, timeout=max(remaining, 0.05))
-        if pending:
-            log.warning("%d leader task(s) of %s ignored cancellation", len(pending), self.group)
-
-    async def _release(self, token: int) -> None:
-        try:
-            await _call_until(
-                self._provider.release(self.group, self.participant_id, token),
-                asyncio.get_running_loop().time() + self._options.renew_interval,
-            )
-        except Exception as exc:  # the lease then simply expires
-            log.warning("release of %s token %d failed: %r", self.group, token, exc)
-
-    async def _release_if_mine(self) -> None:
-        """After an acquire whose outcome is unknown, make sure nothing of ours stays."""
-        try:
-            async with asyncio.timeout(self._options.renew_interval):
-                info = await self._provider.get_leader(self.group)
-                if info is not None and info.participant_id == self.participant_id:
-                    await self._provider.release(self.group, self.participant_id, info.token)
-        except Exception as exc:
-            log.warning("could not check %s for an orphaned lease: %r", self.group, exc)
-
+    # ------------------------------------------------------------------ the campaign
     async def _run(self) -> None:
         while True:
-            holdoff = self._holdoff_until - self._clock()
-            if holdoff > 0:  # after resign(): let a waiting candidate take over first
-                await asyncio.sleep(holdoff)
-            acquired = await self._attempt()
-            if acquired is None:
+            won = await self._attempt()
+            if won is None:
                 await self._wait_as_follower()
                 continue
-            info, sent = acquired
-            leadership = self._begin_term(info, sent)
-            if leadership is not None:
-                await self._lead(leadership, sent)
+            self._begin_term(*won)
+            term = self._term
+            if term is not None:
+                await self._lead(term)
 
     async def _attempt(self) -> tuple[LeaderInfo, float] | None:
         """One campaign round: look, and write only if the group looks free or ours."""
-        self._acquire_attempts += 1
-        provider, group, me = self._provider, self.group, self.participant_id
+        self._stats.acquire_attempts += 1
+        provider, group, me, options = (
+            self._provider,
+            self.group,
+            self.participant_id,
+            self._options,
+        )
+        campaign = self._campaign
+        metadata = {**options.metadata, INSTANCE_KEY: campaign.nonce}
+        bound = self._clock() + self._usable_lease
+        campaign.round_failed = False
         try:
-            async with asyncio.timeout(self._usable_lease):
-                leader = await provider.get_leader(group)
-                # A term we already gave up may still be on the store until it expires:
-                # treat it as foreign, never resume it (its work was cancelled; a new term
-                # must get a new token). Our own live term from an acquire whose reply was
-                # lost is picked up again by try_acquire below.
-                if leader is not None and (
-                    leader.participant_id != me or leader.token == self._lost_token
-                ):
-                    self._observe(leader)
-                    return None
-                sent = self._clock()
-                self._acquire_in_doubt = True
-                info = await provider.try_acquire(
-                    group, me, self._options.lease_duration, self._options.metadata
-                )
-                self._acquire_in_doubt = False
-                if info is None or info.participant_id != me:
-                    self._observe(await provider.get_leader(group))
-                    return None
+            leader = await _call_until(provider.get_leader(group), bound)
+            if leader is not None:
+                if campaign.mine(leader, me) and leader.token != campaign.lost_token:
+                    # Our acquire whose reply was lost: take the term up with a renew.
+                    sent = self._clock()
+                    renew = provider.renew(
+                        group, me, leader.token, options.lease_duration, metadata
+                    )
+                    if await _call_until(renew, bound):
+                        campaign.in_doubt = False
+                        return leader, sent
+                self._observe(leader)
+                return None
+            if self._holding_off():
+                return None
+            sent = self._clock()
+            campaign.in_doubt = True
+            acquire = provider.try_acquire(group, me, options.lease_duration, metadata)
+            info = await _call_until(acquire, bound)
+            campaign.in_doubt = False
+            if info is None or not campaign.mine(info, me):
+                self._observe(await _call_until(provider.get_leader(group), bound))
+                return None
         except Exception as exc:
-            self._acquire_failures += 1
+            self._stats.acquire_failures += 1
+            campaign.round_failed = True
             log.warning("campaign round for %s failed: %r", group, exc)
             return None
         return info, sent
 
+    def _holding_off(self) -> bool:
+        return self._clock() < self._campaign.holdoff_until
+
     async def _wait_as_follower(self) -> None:
-        now = self._clock()
         options = self._options
-        # With a working watch the store wakes us (on release, and when the lease we saw
-        # expires); the timer is only a safety net, and must not double the idle cost.
-        interval = 2 * options.lease_duration if self._watch_alive else options.retry_interval
-        await self._sleep_until(now + _jitter(interval), self._wake)
+        if self._holding_off():
+            when = self._campaign.holdoff_until  # the watch may show another leader sooner
+        else:
+            # With a working watch the store wakes us (on release, and when the lease we
+            # saw expires); the timer is only a safety net, and must not double idle cost.
+            quiet = self._campaign.watch_alive and not self._campaign.round_failed
+            interval = 2 * options.lease_duration if quiet else options.retry_interval
+            when = self._clock() + _jitter(interval)
+        await _sleep_until(when, self._wake)
         self._wake.clear()
 
-    async def _sleep_until(self, when: float, event: asyncio.Event) -> None:
-        _raise_if_cancelled()
-        if event.is_set():
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout_at(when):
-                await event.wait()
-
-    def _begin_term(self, info: LeaderInfo, sent: float) -> Leadership | None:
-        deadline = sent + self._usable_lease
-        if self._clock() >= deadline:
-            log.warning("acquire of %s answered too late to lead on", self.group)
-            return None
-        leadership = Leadership(
-            group=self.group,
-            participant_id=self.participant_id,
-            token=info.token,
-            acquired_at=info.acquired_at,
-            metadata=info.metadata,
-            deadline=deadline,
-            clock=self._clock,
-        )
-        self._leadership = leadership
-        self._terms_won += 1
-        self._term_started = self._clock()
-        self._interrupt = asyncio.Event()
-        self._transition(ElectionState.LEADING)
-        log.info("%s/%s is leader with token %d", self.group, self.participant_id, info.token)
-        self._emit(EventKind.ACQUIRED, token=info.token, leader=info)
-        self._observe(info)
-        return leadership
-
-    async def _lead(self, leadership: Leadership, sent: float) -> None:
+    async def _lead(self, term: _Term) -> None:
         options = self._options
-        next_renew = sent + options.renew_interval
-        while self._leadership is leadership:
-            await self._sleep_until(min(next_renew, leadership._deadline), self._interrupt)
-            if self._leadership is not leadership:
-                return  # resigned or stopped
+        next_renew = term.deadline - self._usable_lease + options.renew_interval
+        while True:
+            await _sleep_until(next_renew, self._interrupt)
+            if term.lost.is_set():
+                return  # resigned, stopped, or the deadline passed
             # Woken early by the store's watch (a session suspended, the key deleted...):
             # renew now, so a lease the store has dropped ends the term at once.
             self._interrupt.clear()
-            now = self._clock()
-            if now >= leadership._deadline:
-                self._renew_failures += 1
-                self._end_term(leadership, "deadline passed without a successful renew")
-                return
+            sent = self._clock()
             ok: bool | None = None
-            # The timeout below cancels the renew, but a provider may take a while to settle
-            # a cancelled call (psycopg cancels the query on the server, a worker thread runs
-            # to its socket timeout): end the term at its deadline all the same.
-            watchdog = asyncio.get_running_loop().call_at(
-                leadership._deadline,
-                self._end_term,
-                leadership,
-                "deadline passed while a renew was still settling",
-            )
             try:
-                bound = min(leadership._deadline, now + options.renew_interval)
-                ok = await _call_until(
-                    self._provider.renew(
-                        self.group,
-                        self.participant_id,
-                        leadership.token,
-                        options.lease_duration,
-                        options.metadata,
-                    ),
-                    bound,
+                renew = self._provider.renew(
+                    self.group,
+                    self.participant_id,
+                    term.info.token,
+                    options.lease_duration,
+                    {**options.metadata, INSTANCE_KEY: self._campaign.nonce},
                 )
+                ok = await _call_until(renew, min(term.deadline, sent + options.renew_interval))
             except Exception as exc:
-                log.warning("renew of %s token %d failed: %r", self.group, leadership.token, exc)
-            finally:
-                watchdog.cancel()
-            if self._leadership is not leadership:
+                log.warning("renew of %s token %d failed: %r", self.group, term.info.token, exc)
+            if term.lost.is_set():
                 return
             if ok is True:
-                self._renewals += 1
-                self._last_renew_latency = self._clock() - now
-                leadership._deadline = now + self._usable_lease
-                next_renew = now + options.renew_interval
-            elif ok is False:
-                self._renew_failures += 1
-                self._end_term(leadership, "the store reports the lease is no longer ours")
+                self._stats.renewals += 1
+                self._stats.last_renew_latency = self._clock() - sent
+                self._extend(term, sent)
+                next_renew = sent + options.renew_interval
+                continue
+            self._stats.renew_failures += 1
+            if ok is False:
+                self._end_term(term, "the store reports the lease is no longer ours")
                 return
-            else:
-                self._renew_failures += 1
-                remaining = leadership._deadline - self._clock()
-                next_renew = self._clock() + max(min(options.renew_interval, remaining) / 2, 0.005)
+            remaining = term.deadline - self._clock()
+            next_renew = self._clock() + max(min(options.renew_interval, remaining) / 2, 0.005)
 
     async def _watch_loop(self) -> None:
         """Turn the provider's notifications into wake-ups; fall back to polling on errors."""
+        campaign = self._campaign
         while True:
             stream = self._provider.watch(self.group)
             if stream is None:
                 return
             try:
-                self._watch_alive = True
+                campaign.watch_alive = True
                 async for _ in stream:
                     _raise_if_cancelled()
                     self._wake.set()
-                    if self._leadership is not None:
+                    if self._term is not None:
                         self._interrupt.set()  # a leader checks its lease at once
             except Exception as exc:
                 log.warning("watch of %s broke, polling until it is back: %r", self.group, exc)
             finally:
-                self._watch_alive = False
+                campaign.watch_alive = False
                 aclose = getattr(stream, "aclose", None)
                 if aclose is not None:
                     with contextlib.suppress(Exception):
@@ -628,6 +631,93 @@ class LeaderElection:
             _raise_if_cancelled()
             self._wake.set()
             await asyncio.sleep(_jitter(self._options.retry_interval))
+
+    # ------------------------------------------------------------------ helpers
+    def _require_running(self, what: str) -> None:
+        if self._state not in (ElectionState.CAMPAIGNING, ElectionState.LEADING):
+            raise MultilockError(
+                f"{what}: election {self.group}/{self.participant_id} is "
+                f"{self._state.value}; start it first"
+            )
+
+    def _notify_change(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _emit(
+        self, kind: EventKind, *, token: int | None, leader: LeaderInfo | None = None
+    ) -> None:
+        self._hub.publish(
+            LeadershipEvent(
+                kind=kind,
+                group=self.group,
+                participant_id=self.participant_id,
+                leader=_public(leader),
+                token=token,
+                at=datetime.now(UTC),
+            )
+        )
+
+    def _observe(self, info: LeaderInfo | None) -> None:
+        """Record the leader the store reports; emit LEADER_CHANGED when it differs."""
+        campaign = self._campaign
+        if info is not None and not campaign.mine(info, self.participant_id):
+            campaign.holdoff_until = 0.0  # someone else leads: the hold-off has done its job
+        key = _key(info)
+        if key != campaign.observed:
+            campaign.observed = key
+            token = None if info is None else info.token
+            self._emit(EventKind.LEADER_CHANGED, token=token, leader=info)
+
+    def _start_term_task(
+        self, leadership: Leadership, coro: Coroutine[Any, Any, T]
+    ) -> asyncio.Task[T]:
+        task = asyncio.ensure_future(coro)
+        if self._term is not leadership._term or not leadership.is_valid:
+            task.cancel()
+        else:
+            self._term_tasks.add(task)
+            task.add_done_callback(self._term_tasks.discard)
+        return task
+
+    async def _wait_task(self, task: asyncio.Task[Any], leadership: Leadership) -> None:
+        """Wait for leader work; if the caller is cancelled, cancel it and give it until the
+        term's deadline (it stays tracked, so the term's end cancels it again)."""
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.wait({task}, timeout=max(leadership.deadline - self._clock(), 0.05))
+            raise
+
+    async def _wait_term_tasks(self, term: _Term) -> None:
+        """Give cancelled leader work until the term's deadline to finish."""
+        tasks = list(self._term_tasks)
+        if not tasks:
+            return
+        remaining = max(term.deadline - self._clock(), 0.05)
+        _, pending = await asyncio.wait(tasks, timeout=remaining)
+        if pending:
+            log.warning("%d leader task(s) of %s ignored cancellation", len(pending), self.group)
+
+    async def _release(self, token: int) -> None:
+        deadline = self._clock() + self._options.renew_interval
+        try:
+            await _call_until(
+                self._provider.release(self.group, self.participant_id, token), deadline
+            )
+        except Exception as exc:  # the lease then simply expires
+            log.warning("release of %s token %d failed: %r", self.group, token, exc)
+
+    async def _release_if_mine(self) -> None:
+        """After an acquire whose outcome is unknown, make sure nothing of ours stays."""
+        deadline = self._clock() + self._options.renew_interval
+        try:
+            info = await _call_until(self._provider.get_leader(self.group), deadline)
+            if info is not None and self._campaign.mine(info, self.participant_id):
+                await self._release(info.token)
+        except Exception as exc:
+            log.warning("could not check %s for an orphaned lease: %r", self.group, exc)
 
 
 #: Provider calls that timed out and are still settling their cancellation.
@@ -659,6 +749,16 @@ def _settled(task: asyncio.Task[Any]) -> None:
         log.debug("a timed-out provider call ended with %r", task.exception())
 
 
+async def _sleep_until(when: float, event: asyncio.Event) -> None:
+    """Sleep until *when* (loop time) or until *event* is set."""
+    _raise_if_cancelled()
+    if event.is_set():
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout_at(when):
+            await event.wait()
+
+
 def _raise_if_cancelled() -> None:
     """Honour a cancellation that a driver swallowed.
 
@@ -676,22 +776,12 @@ def _no_clock() -> float:
 
 
 async def _cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
-    """Cancel *tasks* and wait for them; a cancel of the caller still propagates."""
+    """Cancel *tasks* and wait for them."""
     live = [t for t in tasks if t is not None and not t.done()]
     for task in live:
         task.cancel()
     if live:
         await asyncio.wait(live)
-
-
-async def _wait_shielding_cancel(task: asyncio.Task[Any]) -> None:
-    """Wait for *task*; if the caller is cancelled, cancel the task first, then re-raise."""
-    try:
-        await asyncio.wait({task})
-    except asyncio.CancelledError:
-        task.cancel()
-        await asyncio.wait({task})
-        raise
 
 
 async def watch_leader(
@@ -702,7 +792,7 @@ async def watch_leader(
     Uses the provider's notifications when it has them, and polls every *poll_interval*
     seconds otherwise (and as a safety net). Store errors are logged and retried.
     """
-    last: tuple[str, int] | _Unknown | None = _UNKNOWN
+    last: object = _UNKNOWN
     wake = asyncio.Event()
 
     async def follow() -> None:
@@ -722,16 +812,14 @@ async def watch_leader(
         while True:
             wake.clear()
             try:
-                async with asyncio.timeout(max(poll_interval, 1.0) * 5):
-                    info = await provider.get_leader(group)
+                deadline = asyncio.get_running_loop().time() + max(poll_interval, 1.0) * 5
+                info = await _call_until(provider.get_leader(group), deadline)
             except Exception as exc:
                 log.warning("get_leader(%r) failed: %r", group, exc)
             else:
                 if _key(info) != last:
                     last = _key(info)
-                    yield info
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(poll_interval):
-                    await wake.wait()
+                    yield _public(info)
+            await _sleep_until(asyncio.get_running_loop().time() + poll_interval, wake)
     finally:
         await _cancel_and_wait(follower)

@@ -95,17 +95,12 @@ class InMemoryProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        lease_duration = lease_duration
         meta = dict(metadata)
         with self._store.lock:
             now = self._clock()
             lease = self._live(group, now)
             if lease is not None:
-                if lease.info.participant_id != participant_id:
-                    return None
-                lease.expires_at = now + lease_duration
-                lease.info = attrs.evolve(lease.info, metadata=meta)
-                return lease.info
+                return None  # held, by someone else or by another election with our id
             token = self._store.tokens.get(group, 0) + 1
             self._store.tokens[group] = token
             info = LeaderInfo(
@@ -126,7 +121,6 @@ class InMemoryProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        lease_duration = lease_duration
         meta = dict(metadata)
         with self._store.lock:
             now = self._clock()

@@ -10,9 +10,21 @@ from typing import Any
 import attrs
 
 from ._errors import ConfigurationError
-from ._names import default_participant_id, to_seconds, validate_metadata, validate_name
+from ._names import (
+    MAX_METADATA_ENTRIES,
+    default_participant_id,
+    to_seconds,
+    validate_metadata,
+    validate_name,
+)
 
-__all__ = ["ElectionOptions"]
+__all__ = ["INSTANCE_KEY", "ElectionOptions"]
+
+#: The metadata key under which an election stores its run's nonce with every term, so it
+#: recognises its own terms (a lost acquire reply) and never another process's with the
+#: same participant id. Reserved: user metadata cannot use it, and it is removed from the
+#: `LeaderInfo` an election reports.
+INSTANCE_KEY = "multilock.instance"
 
 Duration = float | timedelta
 
@@ -43,6 +55,18 @@ def _drift(value: Any) -> float:
     if not (math.isfinite(value) and 0 <= value < 0.5):
         raise ConfigurationError(f"max_clock_drift must be in [0, 0.5), got {value!r}")
     return float(value)
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    metadata = validate_metadata(value)
+    if INSTANCE_KEY in metadata:
+        raise ConfigurationError(f"metadata key {INSTANCE_KEY!r} is reserved for the election")
+    if len(metadata) >= MAX_METADATA_ENTRIES:
+        raise ConfigurationError(
+            f"metadata has {len(metadata)} entries; an election allows at most "
+            f"{MAX_METADATA_ENTRIES - 1} (it adds one of its own)"
+        )
+    return metadata
 
 
 def _release_on_stop(value: Any) -> bool:
@@ -76,7 +100,8 @@ class ElectionOptions:
         converter=_retry,
     )
     release_on_stop: bool = attrs.field(default=True, converter=_release_on_stop)
-    metadata: Mapping[str, str] = attrs.field(factory=dict, converter=validate_metadata, hash=False)
+    #: At most ``MAX_METADATA_ENTRIES - 1`` entries: the election adds `INSTANCE_KEY`.
+    metadata: Mapping[str, str] = attrs.field(factory=dict, converter=_metadata, hash=False)
     max_clock_drift: float = attrs.field(default=0.01, converter=_drift)
 
     def __attrs_post_init__(self) -> None:

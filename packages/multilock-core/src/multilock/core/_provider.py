@@ -7,9 +7,12 @@ Rules every implementation keeps (``multilock.core.testing.check_provider`` prov
 
 - ``try_acquire`` takes the lease only if it is free or expired, and gives the new term a
   fencing token strictly greater than every earlier token of the group, across release,
-  expiry, crash and store restarts. If the caller already holds a live lease, it extends
-  it and returns the *same* term (so a retry after a lost reply never silently starts a
-  second term).
+  expiry, crash and store restarts. It never lets anyone join a live term: while a lease
+  is live it returns None, whoever holds it, even a caller with the same participant id
+  (two processes may be configured with one id). A provider that queues its own
+  candidates may answer its own repeated call with the same term, its metadata unchanged.
+  The election finds a term whose acquire reply was lost with ``get_leader``: it stores an
+  instance nonce in the metadata and recognises its own terms by it.
 - ``renew`` and ``release`` compare both the participant id and the token.
 - ``get_leader`` reports only a live lease, never a stale or expired record.
 - A failed call raises `ProviderError` with the driver's exception as ``__cause__``.
@@ -91,7 +94,11 @@ class Provider(abc.ABC):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        """Take the lease if it is free or expired; return the new term, or None if held."""
+        """Take the lease if it is free or expired; return the new term, or None if held.
+
+        None also when the caller's own participant id holds the live lease: a term is
+        never shared (see the module docstring).
+        """
 
     @abc.abstractmethod
     async def renew(

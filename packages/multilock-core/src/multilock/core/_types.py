@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import threading
 from collections.abc import Callable, Mapping
@@ -117,64 +118,79 @@ class RunResult(Generic[T]):
         return self.status is RunStatus.COMPLETED
 
 
+@attrs.define(eq=False)
+class _Term:
+    """The election's record of one term; only the election writes it.
+
+    ``deadline`` is ``sent + usable lease`` of the last successful acquire/renew on the
+    election's monotonic clock; ``ended_at`` and ``end_reason`` are set once, when the
+    election steps down (before any release is sent).
+    """
+
+    info: LeaderInfo
+    deadline: float
+    started: float
+    clock: Callable[[], float]
+    lost: threading.Event = attrs.field(factory=threading.Event)
+    ended: asyncio.Event = attrs.field(factory=asyncio.Event)
+    ended_at: float | None = None
+    end_reason: str | None = None
+
+    @property
+    def is_valid(self) -> bool:
+        return self.ended_at is None and self.clock() < self.deadline
+
+
 class Leadership:
-    """One term of leadership held by this process.
+    """One term of leadership held by this process: a read-only view of the election's term.
 
     Valid from acquisition until the local deadline passes without a successful renew, the
     provider reports the lease gone, or the election resigns or stops. ``lost`` is a
-    `threading.Event` so code in worker threads can wait on it.
+    `threading.Event` so code in worker threads can wait on it; `wait_lost` is its async
+    twin.
     """
 
-    __slots__ = (
-        "_clock",
-        "_deadline",
-        "_ended_at",
-        "acquired_at",
-        "group",
-        "lost",
-        "metadata",
-        "participant_id",
-        "token",
-    )
+    __slots__ = ("_term", "acquired_at", "group", "lost", "metadata", "participant_id", "token")
 
-    def __init__(
-        self,
-        *,
-        group: str,
-        participant_id: str,
-        token: int,
-        acquired_at: datetime,
-        metadata: Mapping[str, str],
-        deadline: float,
-        clock: Callable[[], float],
-    ) -> None:
+    def __init__(self, *, group: str, participant_id: str, term: _Term) -> None:
+        self._term = term
         self.group = group
         self.participant_id = participant_id
-        self.token = token
-        self.acquired_at = acquired_at
-        self.metadata: Mapping[str, str] = dict(metadata)
-        self.lost = threading.Event()
-        self._deadline = deadline
-        #: When the election stepped down (its clock), before any release was sent.
-        self._ended_at: float | None = None
-        self._clock = clock
+        self.token = term.info.token
+        self.acquired_at = term.info.acquired_at
+        self.metadata: Mapping[str, str] = dict(term.info.metadata)
+        self.lost = term.lost
+
+    @property
+    def deadline(self) -> float:
+        """The local deadline (the election's monotonic clock): invalid from then on."""
+        return self._term.deadline
+
+    @property
+    def ended_at(self) -> float | None:
+        """When the election stepped down (its monotonic clock), or None while it holds."""
+        return self._term.ended_at
 
     @property
     def is_valid(self) -> bool:
         """True while the term holds: no I/O, judged on the local monotonic clock."""
-        return not self.lost.is_set() and self._clock() < self._deadline
+        return self._term.is_valid
 
     @property
     def time_left(self) -> float:
         """Seconds until the local deadline (0 once invalid)."""
-        if self.lost.is_set():
+        if self._term.ended_at is not None:
             return 0.0
-        return max(0.0, self._deadline - self._clock())
+        return max(0.0, self._term.deadline - self._term.clock())
 
     def check(self) -> None:
         """Raise `LeadershipLost` if the term has ended; call it before each protected step."""
         if not self.is_valid:
             raise LeadershipLost(self.group, self.token)
+
+    async def wait_lost(self) -> None:
+        """Return once the term has ended (on the election's event loop)."""
+        await self._term.ended.wait()
 
     def __repr__(self) -> str:
         return (

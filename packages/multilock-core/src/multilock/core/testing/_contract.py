@@ -112,18 +112,43 @@ async def check_one_winner_among_concurrent(ctx: _Ctx) -> None:
         await providers[0].release(group, winners[0].participant_id, winners[0].token)
 
 
-async def check_acquire_is_idempotent_for_holder(ctx: _Ctx) -> None:
-    p = await ctx.provider()
+async def check_live_term_is_never_shared(ctx: _Ctx) -> None:
+    """A live term belongs to whoever created it, even against the same participant id.
+
+    Two processes configured with the same participant id (a pod name, a fixed config
+    value) each have their own provider: the second one's ``try_acquire`` must not join the
+    first one's live term. The provider that created the term may answer a repeated
+    ``try_acquire`` with that same term (a store that queues candidates does), but never
+    with its metadata rewritten: the election recognises its own terms by their metadata.
+    """
+    p, q = await ctx.provider(), await ctx.provider()
     group = ctx.group()
-    first = await p.try_acquire(group, "p1", ctx.lease * 4, {})
+    first = await p.try_acquire(group, "p1", ctx.lease * 4, {"instance": "a"})
     _expect(first is not None, "try_acquire on a free group failed")
     assert first is not None
-    again = await p.try_acquire(group, "p1", ctx.lease * 4, {})
+    other = await q.try_acquire(group, "p1", ctx.lease * 4, {"instance": "b"})
     _expect(
-        again is not None and again.token == first.token,
-        f"a repeated try_acquire by the holder gave {again!r}, not the same term {first.token}",
+        other is None,
+        f"a second provider with the same participant id joined the live term: {other!r}",
+    )
+    again = await p.try_acquire(group, "p1", ctx.lease * 4, {"instance": "c"})
+    _expect(
+        again is None or (again.token == first.token and dict(again.metadata) == {"instance": "a"}),
+        f"a repeated try_acquire by the holder gave {again!r}, not None or the same term "
+        f"{first.token} with its metadata unchanged",
     )
     _expect(await p.try_acquire(group, "p2", ctx.lease * 4, {}) is None, "p2 stole the lease")
+    leader = await q.get_leader(group)
+    _expect(
+        leader is not None
+        and leader.token == first.token
+        and dict(leader.metadata) == {"instance": "a"},
+        f"after the refused attempts get_leader reports {leader!r}, not the first term as made",
+    )
+    _expect(
+        await p.renew(group, "p1", first.token, ctx.lease * 4, {"instance": "a"}),
+        "the holder could not renew its term after the refused attempts",
+    )
     await p.release(group, "p1", first.token)
 
 
@@ -301,10 +326,10 @@ async def check_cancelled_acquire_leaves_store_consistent(ctx: _Ctx) -> None:
             f"a cancelled acquire left a foreign record: {leader!r}",
         )
         if leader is not None:
-            # It went through before the cancel: the holder can still find and end it.
-            again = await p.try_acquire(group, "p1", ctx.lease * 4, {})
-            _expect(again is not None and again.token == leader.token, "term not recognised")
+            # It went through before the cancel: the holder finds it with get_leader (as
+            # the election does, by its metadata) and ends it with the token it reads.
             await p.release(group, "p1", leader.token)
+            _expect(await q.get_leader(group) is None, "the found term could not be released")
         taken = await q.try_acquire(group, "p2", ctx.lease * 4, {})
         _expect(taken is not None, "after a cancelled acquire the group could not be taken")
         assert taken is not None
@@ -357,7 +382,7 @@ PROVIDER_CHECKS: dict[str, Callable[[_Ctx], Awaitable[None]]] = {
     for fn in [
         check_invalid_names_rejected,
         check_one_winner_among_concurrent,
-        check_acquire_is_idempotent_for_holder,
+        check_live_term_is_never_shared,
         check_renew_extends,
         check_renew_requires_owner_and_token,
         check_release_frees_at_once,

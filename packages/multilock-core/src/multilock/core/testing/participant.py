@@ -55,7 +55,7 @@ async def _main(args: argparse.Namespace) -> int:
     async def record_events() -> None:
         async for event in events:
             if event.kind is EventKind.ACQUIRED:
-                current = election._leadership
+                current = election.leadership
                 if current is not None and current.token == event.token:
                     terms[event.token] = current
                 log.write("acquired", token=event.token)
@@ -65,7 +65,7 @@ async def _main(args: argparse.Namespace) -> int:
                 # its deadline if the process was frozen past it: whichever came first.
                 valid_until = None
                 if ended is not None:
-                    valid_until = min(ended._deadline, ended._ended_at or ended._deadline)
+                    valid_until = min(ended.deadline, ended.ended_at or ended.deadline)
                 log.write("lost", token=event.token, valid_until=valid_until)
             else:
                 leader = event.leader

@@ -1,0 +1,242 @@
+"""The paths of the "Core 2" issue: cancellation, slow-to-cancel drivers, hold-off, one id.
+
+Each test drives the election in virtual time and fails on the core before the rewrite.
+"""
+
+import asyncio
+import contextlib
+
+from multilock.core import (
+    ElectionState,
+    EventKind,
+    InMemoryProvider,
+    LeaderElection,
+    ProviderError,
+)
+from multilock.core.testing import FakeClock, Fault, FaultyProvider
+
+LEASE = 10.0
+
+
+class SlowToCancel(FaultyProvider):
+    """A store whose chosen calls hang, then take *settle* seconds to honour a cancel.
+
+    psycopg cancelling a query on the server, or a worker thread running to its socket
+    timeout, behave like this.
+    """
+
+    def __init__(self, inner, settle: float = 300.0) -> None:
+        super().__init__(inner)
+        self.settle = settle
+        self.slow: set[str] = set()
+
+    async def _gate(self, method):
+        if method in self.slow:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await asyncio.shield(asyncio.sleep(self.settle))
+                raise
+        return await super()._gate(method)
+
+
+def run(body):
+    clock = FakeClock()
+
+    async def main():
+        store = InMemoryProvider(clock=clock.monotonic)
+        return await body(clock, store)
+
+    return clock.run(main())
+
+
+def election(provider, name, **options):
+    options.setdefault("lease_duration", LEASE)
+    return LeaderElection(provider, group="g", participant_id=name, **options)
+
+
+async def leads(election, within):
+    """Wait for *election* to lead, at most *within* seconds (virtual)."""
+    async with asyncio.timeout(within):
+        return await election.wait_until_leader()
+
+
+async def kinds(stream):
+    return [event.kind for event in [e async for e in stream]]
+
+
+def test_resign_cancelled_while_releasing_still_emits_lost():
+    async def body(clock, store):
+        faulty = FaultyProvider(store)
+        a = election(faulty, "a")
+        stream = a.events(EventKind.ACQUIRED | EventKind.LOST)
+        await a.start()
+        await a.wait_until_leader()
+        faulty.inject(Fault.HANG, "release")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):  # a shutdown or a caller's timeout
+                await a.resign()
+        assert not a.is_leader
+        faulty.heal()
+        await a.stop()
+        assert await kinds(stream) == [EventKind.ACQUIRED, EventKind.LOST]
+
+    run(body)
+
+
+def test_stop_cancelled_midway_can_be_called_again_and_start_works():
+    async def body(clock, store):
+        faulty = FaultyProvider(store)
+        a = election(faulty, "a")
+        await a.start()
+        await a.wait_until_leader()
+        stream = a.events()
+        faulty.inject(Fault.HANG, "release")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await a.stop()
+        async with asyncio.timeout(LEASE):
+            await a.stop()  # completes, and does not raise an illegal transition
+        assert a.state is ElectionState.STOPPED
+        assert [e.kind async for e in stream] == [EventKind.LOST]  # the stream ended
+        faulty.heal()
+        clock.advance(LEASE)  # the unreleased lease expires
+        await a.start()
+        assert (await leads(a, LEASE)).token == 2
+        await a.stop()
+        assert a.state is ElectionState.STOPPED
+
+    run(body)
+
+
+def test_current_leader_does_not_wait_for_a_driver_slow_to_cancel():
+    async def body(clock, store):
+        slow = SlowToCancel(store)
+        a = election(slow, "a")
+        slow.slow.add("get_leader")
+        started = asyncio.get_running_loop().time()
+        try:
+            await a.current_leader()
+        except ProviderError:
+            pass
+        else:
+            raise AssertionError("a hung get_leader returned")
+        assert asyncio.get_running_loop().time() - started <= LEASE + 0.01
+
+    run(body)
+
+
+def test_campaign_is_not_held_up_by_a_driver_slow_to_cancel():
+    async def body(clock, store):
+        slow = SlowToCancel(store)
+        a = election(slow, "a")
+        slow.slow.add("try_acquire")
+        await a.start()
+        await asyncio.sleep(LEASE)
+        slow.slow.clear()  # healed: the next round must come within a retry, not a settle
+        started = asyncio.get_running_loop().time()
+        await leads(a, LEASE)
+        assert asyncio.get_running_loop().time() - started <= a.options.retry_interval + 0.01
+        await a.stop()
+
+    run(body)
+
+
+def test_stop_after_an_acquire_in_doubt_does_not_wait_for_a_slow_driver():
+    async def body(clock, store):
+        slow = SlowToCancel(store)
+        a = election(slow, "a")
+        slow.slow.add("try_acquire")
+        await a.start()
+        await asyncio.sleep(0.1)  # the first round is in a hung try_acquire: in doubt
+        slow.slow.add("get_leader")  # and the check for an orphaned lease will hang too
+        started = asyncio.get_running_loop().time()
+        await a.stop()
+        assert asyncio.get_running_loop().time() - started <= a.options.renew_interval + 0.01
+
+    run(body)
+
+
+def test_holdoff_never_delays_taking_a_group_another_participant_released():
+    async def body(clock, store):
+        retry = 5.0
+        a = election(store, "a", retry_interval=retry)
+        b = election(store, "b", retry_interval=retry)
+        await a.start()
+        await a.wait_until_leader()
+        await b.start()
+        loop = asyncio.get_running_loop()
+        for _ in range(4):  # ping-pong, far faster than retry_interval
+            for leader, other in ((a, b), (b, a)):
+                await leads(leader, retry)
+                resigned = loop.time()
+                await leader.resign()
+                await leads(other, retry)
+                assert loop.time() - resigned < 0.01, "the hand-back waited for a hold-off"
+        await a.stop()
+        await b.stop()
+
+    run(body)
+
+
+def test_two_elections_with_one_participant_id_never_both_lead():
+    async def body(clock, store):
+        # Two processes configured with the same id: each has its own provider.
+        first = election(InMemoryProvider(clock=clock.monotonic, store_name="one-id"), "pod-1")
+        second = election(InMemoryProvider(clock=clock.monotonic, store_name="one-id"), "pod-1")
+        await first.start()
+        await first.wait_until_leader()
+        await second.start()
+        for _ in range(int(3 * LEASE / 0.05)):
+            await asyncio.sleep(0.05)
+            assert not (first.is_leader and second.is_leader), "two leaders with one id"
+            assert first.is_leader
+        await first.stop()
+        taken = await leads(second, LEASE)
+        assert taken.token == 2  # a term of its own, not the first one's
+        await second.stop()
+
+    run(body)
+
+
+def test_a_lost_acquire_reply_is_taken_up_as_our_own_term():
+    async def body(clock, store):
+        faulty = FaultyProvider(store)
+        original = store.try_acquire
+
+        async def applied_then_lost(*args):
+            await original(*args)  # the write is applied, the reply never comes
+            raise ProviderError("connection reset after the write")
+
+        faulty.inner.try_acquire = applied_then_lost
+        a = election(faulty, "a")
+        events = a.events(EventKind.ACQUIRED)
+        await a.start()
+        await asyncio.sleep(a.options.retry_interval)
+        faulty.inner.try_acquire = original
+        leadership = await leads(a, LEASE)
+        assert leadership.token == 1  # the term the lost reply created, not a second one
+        await a.stop()
+        assert [e.token async for e in events] == [1]
+        assert await store.get_leader("g") is None  # released on stop
+
+    run(body)
+
+
+def test_leader_info_shown_to_users_has_no_instance_nonce():
+    async def body(clock, store):
+        a = election(store, "a", metadata={"zone": "eu"})
+        events = a.events(EventKind.ACQUIRED)
+        await a.start()
+        leadership = await a.wait_until_leader()
+        assert dict(leadership.metadata) == {"zone": "eu"}
+        info = await a.current_leader()
+        assert info is not None
+        assert dict(info.metadata) == {"zone": "eu"}
+        stored = await store.get_leader("g")
+        assert stored is not None
+        assert "multilock.instance" in stored.metadata
+        await a.stop()
+        assert [dict(e.leader.metadata) async for e in events] == [{"zone": "eu"}]
+
+    run(body)
