@@ -79,7 +79,7 @@ def test_limits_themselves_are_accepted():
 def test_metadata_leaves_room_for_the_instance_nonce_and_reserves_its_key():
     with pytest.raises(ConfigurationError, match=r"at most 99 \(it adds one of its own\)"):
         ElectionOptions(metadata={f"k{i}": "" for i in range(100)})
-    with pytest.raises(ConfigurationError, match=r"'multilock\.instance' is reserved"):
+    with pytest.raises(ConfigurationError, match=r"'multilock\.instance' are reserved"):
         ElectionOptions(metadata={"multilock.instance": "x"})
 
 

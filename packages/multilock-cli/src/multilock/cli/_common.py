@@ -153,7 +153,8 @@ def leader_record(info: LeaderInfo, now: datetime | None = None) -> dict[str, An
     return {
         "id": info.participant_id,
         "token": info.token,
-        "metadata": dict(info.metadata),
+        # Keys under "multilock." are the library's own (the election's instance nonce).
+        "metadata": {k: v for k, v in info.metadata.items() if not k.startswith("multilock.")},
         "acquired_at": info.acquired_at.isoformat(),
         "age_seconds": round(age, 3),
     }

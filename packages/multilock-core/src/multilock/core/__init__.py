@@ -5,7 +5,7 @@ Many copies of a service run at once; for each named group, exactly one leads. S
 and `multilock.core.sync` for threaded programs.
 """
 
-from ._election import LeaderElection, watch_leader
+from ._election import LeaderElection
 from ._errors import ConfigurationError, LeadershipLost, MultilockError, ProviderError
 from ._events import EventStream, on_transition, until_leader, while_leader
 from ._memory import InMemoryProvider
@@ -23,6 +23,7 @@ from ._types import (
     RunStatus,
 )
 from ._url import available_schemes, from_url, redact_url
+from ._watch import watch_leader
 
 __all__ = [
     "ConfigurationError",

@@ -26,13 +26,14 @@ import enum
 import logging
 import random
 import secrets
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 import attrs
 
+from ._calls import call_until, cancel_and_wait, raise_if_cancelled, sleep_until
 from ._errors import ConfigurationError, MultilockError, ProviderError
 from ._events import EventHub, EventStream
 from ._options import INSTANCE_KEY, ElectionOptions
@@ -49,7 +50,7 @@ from ._types import (
     _Term,
 )
 
-__all__ = ["LeaderElection", "watch_leader"]
+__all__ = ["LeaderElection"]
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ class LeaderElection:
 
     async def _shutdown(self, term: _Term | None) -> None:
         try:
-            await _cancel_and_wait(self._run_task, self._watch_task)
+            await cancel_and_wait(self._run_task, self._watch_task)
             if term is not None:
                 await self._wait_term_tasks(term)
                 if self._options.release_on_stop:
@@ -385,7 +386,7 @@ class LeaderElection:
         """Ask the store for the live leader (None when nobody holds a live lease)."""
         deadline = asyncio.get_running_loop().time() + self._options.lease_duration
         try:
-            return _public(await _call_until(self._provider.get_leader(self.group), deadline))
+            return _public(await call_until(self._provider.get_leader(self.group), deadline))
         except TimeoutError:
             raise ProviderError(
                 f"get_leader({self.group!r}) did not answer within "
@@ -522,7 +523,7 @@ class LeaderElection:
         bound = self._clock() + self._usable_lease
         campaign.round_failed = False
         try:
-            leader = await _call_until(provider.get_leader(group), bound)
+            leader = await call_until(provider.get_leader(group), bound)
             if leader is not None:
                 if campaign.mine(leader, me) and leader.token != campaign.lost_token:
                     # Our acquire whose reply was lost: take the term up with a renew.
@@ -530,7 +531,7 @@ class LeaderElection:
                     renew = provider.renew(
                         group, me, leader.token, options.lease_duration, metadata
                     )
-                    if await _call_until(renew, bound):
+                    if await call_until(renew, bound):
                         campaign.in_doubt = False
                         return leader, sent
                 self._observe(leader)
@@ -540,10 +541,10 @@ class LeaderElection:
             sent = self._clock()
             campaign.in_doubt = True
             acquire = provider.try_acquire(group, me, options.lease_duration, metadata)
-            info = await _call_until(acquire, bound)
+            info = await call_until(acquire, bound)
             campaign.in_doubt = False
             if info is None or not campaign.mine(info, me):
-                self._observe(await _call_until(provider.get_leader(group), bound))
+                self._observe(await call_until(provider.get_leader(group), bound))
                 return None
         except Exception as exc:
             self._stats.acquire_failures += 1
@@ -565,14 +566,14 @@ class LeaderElection:
             quiet = self._campaign.watch_alive and not self._campaign.round_failed
             interval = 2 * options.lease_duration if quiet else options.retry_interval
             when = self._clock() + _jitter(interval)
-        await _sleep_until(when, self._wake)
+        await sleep_until(when, self._wake)
         self._wake.clear()
 
     async def _lead(self, term: _Term) -> None:
         options = self._options
         next_renew = term.deadline - self._usable_lease + options.renew_interval
         while True:
-            await _sleep_until(next_renew, self._interrupt)
+            await sleep_until(next_renew, self._interrupt)
             if term.lost.is_set():
                 return  # resigned, stopped, or the deadline passed
             # Woken early by the store's watch (a session suspended, the key deleted...):
@@ -588,7 +589,7 @@ class LeaderElection:
                     options.lease_duration,
                     {**options.metadata, INSTANCE_KEY: self._campaign.nonce},
                 )
-                ok = await _call_until(renew, min(term.deadline, sent + options.renew_interval))
+                ok = await call_until(renew, min(term.deadline, sent + options.renew_interval))
             except Exception as exc:
                 log.warning("renew of %s token %d failed: %r", self.group, term.info.token, exc)
             if term.lost.is_set():
@@ -616,7 +617,7 @@ class LeaderElection:
             try:
                 campaign.watch_alive = True
                 async for _ in stream:
-                    _raise_if_cancelled()
+                    raise_if_cancelled()
                     self._wake.set()
                     if self._term is not None:
                         self._interrupt.set()  # a leader checks its lease at once
@@ -628,7 +629,7 @@ class LeaderElection:
                 if aclose is not None:
                     with contextlib.suppress(Exception):
                         await aclose()
-            _raise_if_cancelled()
+            raise_if_cancelled()
             self._wake.set()
             await asyncio.sleep(_jitter(self._options.retry_interval))
 
@@ -703,7 +704,7 @@ class LeaderElection:
     async def _release(self, token: int) -> None:
         deadline = self._clock() + self._options.renew_interval
         try:
-            await _call_until(
+            await call_until(
                 self._provider.release(self.group, self.participant_id, token), deadline
             )
         except Exception as exc:  # the lease then simply expires
@@ -713,113 +714,12 @@ class LeaderElection:
         """After an acquire whose outcome is unknown, make sure nothing of ours stays."""
         deadline = self._clock() + self._options.renew_interval
         try:
-            info = await _call_until(self._provider.get_leader(self.group), deadline)
+            info = await call_until(self._provider.get_leader(self.group), deadline)
             if info is not None and self._campaign.mine(info, self.participant_id):
                 await self._release(info.token)
         except Exception as exc:
             log.warning("could not check %s for an orphaned lease: %r", self.group, exc)
 
 
-#: Provider calls that timed out and are still settling their cancellation.
-_SETTLING: set[asyncio.Task[Any]] = set()
-
-
-async def _call_until(call: Coroutine[Any, Any, T], deadline: float) -> T:
-    """Await a provider *call* until *deadline* (loop time), else raise `TimeoutError`.
-
-    A call that times out (or whose caller is cancelled) is cancelled but not waited for:
-    a driver may take seconds to settle a cancellation (psycopg cancels the query on the
-    server, a worker thread runs to its socket timeout), and the election must step down,
-    campaign again or stop meanwhile. The call settles in the background.
-    """
-    task = asyncio.ensure_future(call)
-    try:
-        async with asyncio.timeout_at(deadline):
-            return await asyncio.shield(task)
-    finally:
-        if not task.done():
-            task.cancel()
-            _SETTLING.add(task)
-            task.add_done_callback(_settled)
-
-
-def _settled(task: asyncio.Task[Any]) -> None:
-    _SETTLING.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("a timed-out provider call ended with %r", task.exception())
-
-
-async def _sleep_until(when: float, event: asyncio.Event) -> None:
-    """Sleep until *when* (loop time) or until *event* is set."""
-    _raise_if_cancelled()
-    if event.is_set():
-        return
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout_at(when):
-            await event.wait()
-
-
-def _raise_if_cancelled() -> None:
-    """Honour a cancellation that a driver swallowed.
-
-    Python 3.11's ``asyncio.wait_for`` (redis-py sends every command through it) returns
-    the inner result when the call finishes just as the cancel lands: the task runs on
-    with the cancel still requested, and `stop()` would wait for it forever.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
 def _no_clock() -> float:
     raise MultilockError("the election has not been started")
-
-
-async def _cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
-    """Cancel *tasks* and wait for them."""
-    live = [t for t in tasks if t is not None and not t.done()]
-    for task in live:
-        task.cancel()
-    if live:
-        await asyncio.wait(live)
-
-
-async def watch_leader(
-    provider: Provider, group: str, *, poll_interval: float = 2.0
-) -> AsyncIterator[LeaderInfo | None]:
-    """Observe *group* without campaigning: yield the leader now and on every change.
-
-    Uses the provider's notifications when it has them, and polls every *poll_interval*
-    seconds otherwise (and as a safety net). Store errors are logged and retried.
-    """
-    last: object = _UNKNOWN
-    wake = asyncio.Event()
-
-    async def follow() -> None:
-        while True:
-            stream = provider.watch(group)
-            if stream is None:
-                return
-            try:
-                async for _ in stream:
-                    wake.set()
-            except Exception as exc:
-                log.warning("watch of %s broke: %r", group, exc)
-            await asyncio.sleep(poll_interval)
-
-    follower = asyncio.ensure_future(follow())
-    try:
-        while True:
-            wake.clear()
-            try:
-                deadline = asyncio.get_running_loop().time() + max(poll_interval, 1.0) * 5
-                info = await _call_until(provider.get_leader(group), deadline)
-            except Exception as exc:
-                log.warning("get_leader(%r) failed: %r", group, exc)
-            else:
-                if _key(info) != last:
-                    last = _key(info)
-                    yield _public(info)
-            await _sleep_until(asyncio.get_running_loop().time() + poll_interval, wake)
-    finally:
-        await _cancel_and_wait(follower)

@@ -22,8 +22,8 @@ __all__ = ["INSTANCE_KEY", "ElectionOptions"]
 
 #: The metadata key under which an election stores its run's nonce with every term, so it
 #: recognises its own terms (a lost acquire reply) and never another process's with the
-#: same participant id. Reserved: user metadata cannot use it, and it is removed from the
-#: `LeaderInfo` an election reports.
+#: same participant id. Every key under ``multilock.`` is reserved: user metadata cannot
+#: use one, and the election removes this one from the `LeaderInfo` it reports.
 INSTANCE_KEY = "multilock.instance"
 
 Duration = float | timedelta
@@ -59,8 +59,12 @@ def _drift(value: Any) -> float:
 
 def _metadata(value: Any) -> dict[str, str]:
     metadata = validate_metadata(value)
-    if INSTANCE_KEY in metadata:
-        raise ConfigurationError(f"metadata key {INSTANCE_KEY!r} is reserved for the election")
+    reserved = sorted(key for key in metadata if key.startswith("multilock."))
+    if reserved:
+        raise ConfigurationError(
+            f"metadata key(s) {', '.join(map(repr, reserved))} are reserved: keys starting "
+            "with 'multilock.' belong to the library"
+        )
     if len(metadata) >= MAX_METADATA_ENTRIES:
         raise ConfigurationError(
             f"metadata has {len(metadata)} entries; an election allows at most "
