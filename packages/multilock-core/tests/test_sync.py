@@ -8,8 +8,8 @@ deadlines (``WAIT``), never slept on. One test uses the real shared loop and rea
 
 from __future__ import annotations
 
-import concurrent.futures
 import queue
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -30,7 +30,6 @@ from multilock.core import (
     MultilockError,
     Provider,
     RunStatus,
-    sync,
 )
 from multilock.core.sync import LeaderElection
 from multilock.core.testing import FakeClock, Fault, FaultyProvider
@@ -462,8 +461,11 @@ def test_url_election_owns_and_closes_its_provider(
     assert built_in[0] is not threading.current_thread()  # built on the loop thread
     election.start()
     election.wait_until_leader(timeout=LEASE)
-
-    election.close()
+    election.stop()
+    assert closed == []  # stop() leaves the provider open
+    with election:  # built from a URL: leaving the block closes the election and provider
+        election.wait_until_leader(timeout=LEASE)
+    assert closed == [(provider, built_in[0])]
     election.close()  # idempotent
     assert election.closed
     assert election.state is ElectionState.STOPPED
@@ -475,6 +477,8 @@ def test_url_election_owns_and_closes_its_provider(
 
     # A provider that was passed in belongs to the caller: close() leaves it open.
     borrowed = LeaderElection(store, loop_factory=clock.new_event_loop)
+    with borrowed:
+        pass
     borrowed.close()
     assert len(closed) == 1
 
@@ -612,40 +616,26 @@ def test_shared_default_loop_serves_two_elections_and_one_provider() -> None:
     assert len(shared) == 1  # one shared loop thread, still there for later elections
 
 
-def test_stop_after_an_interrupted_run_while_leader_still_waits_for_the_work(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Real time, lease 2 s. Ctrl-C in the thread blocked in run_while_leader, then stop().
+def interrupt_main_thread_when(event: threading.Event) -> Background:
+    """Send a real SIGINT to this (main) thread once *event* is set: Ctrl-C, as a user would."""
+    assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    main = threading.get_ident()
+
+    def send() -> None:
+        assert event.wait(WAIT)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    return Background(send)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
+def test_stop_after_an_interrupted_run_while_leader_still_waits_for_the_work() -> None:
+    """Real time, lease 2 s. Ctrl-C while blocked in run_while_leader, then stop().
 
     The interrupt cancels the term task once (through run_while_leader) and stop() cancels
     it again: the lease must still be released only after the work has returned.
     """
-    interrupt: concurrent.futures.Future[None] = concurrent.futures.Future()
-    interrupted: set[int] = set()  # idents of the threads whose waits get interrupted
-    real_wait = sync._wait
-
-    class InterruptedResult:
-        """Stands in for a future whose waiter gets KeyboardInterrupt when interrupted."""
-
-        def __init__(self, future: concurrent.futures.Future[Any]) -> None:
-            self.future = future
-
-        def result(self) -> Any:
-            concurrent.futures.wait([self.future, interrupt], return_when="FIRST_COMPLETED")
-            if not self.future.done():
-                raise KeyboardInterrupt
-            return self.future.result()
-
-        def cancel(self) -> bool:
-            return self.future.cancel()
-
-    def wait(future: concurrent.futures.Future[Any]) -> Any:
-        if threading.get_ident() in interrupted:
-            return real_wait(InterruptedResult(future))  # type: ignore[arg-type]
-        return real_wait(future)
-
-    monkeypatch.setattr(sync, "_wait", wait)
-
     provider = RecordingProvider()
     a = LeaderElection(provider, participant_id="a", group="sync-interrupt", lease_duration=2.0)
     try:
@@ -664,15 +654,10 @@ def test_stop_after_an_interrupted_run_while_leader_still_waits_for_the_work(
             finally:
                 provider.work_running.clear()
 
-        def run_interruptibly() -> None:
-            interrupted.add(threading.get_ident())
-            a.run_while_leader(work)
-
-        runner = Background(run_interruptibly)
-        assert inside.wait(WAIT)
-        interrupt.set_result(None)
+        sender = interrupt_main_thread_when(inside)
         with pytest.raises(KeyboardInterrupt):
-            runner.result()
+            a.run_while_leader(work)
+        sender.result()
         # Round trips through the loop: the interrupt's cancellation reaches the term task
         # (a few loop iterations) before stop() cancels it again.
         for _ in range(3):

@@ -11,8 +11,10 @@ Threading model:
 
 - Every sync election wraps an async `multilock.core.LeaderElection` that lives on an
   event loop running in a daemon thread. Each blocking method hands a coroutine to that
-  loop (``asyncio.run_coroutine_threadsafe``) and waits for its result, so all timing,
-  renewing and stepping down happen on the loop, never in the caller's thread.
+  loop through a blocking portal (``multilock.core._portal``) and waits for its result, so
+  all timing, renewing and stepping down happen on the loop, never in the caller's thread.
+  If the wait is interrupted (KeyboardInterrupt), the coroutine is cancelled, and given a
+  moment to end, before the interrupt goes on.
 - By default every sync election of the process shares one loop thread, named
   ``multilock-sync``, started on first use and never stopped. One provider can therefore
   serve several sync elections (providers with connections belong to one loop).
@@ -31,7 +33,7 @@ Threading model:
   block. Blocking methods called from the loop thread itself (from provider code or a
   callback running there) raise `RuntimeError` instead of deadlocking.
 - The elections never close a provider they were given; one built from a URL is owned and
-  closed by ``close()``. Nothing relies on finalizers: call ``close()`` when done.
+  closed by ``close()`` or by leaving its ``with`` block. Nothing relies on finalizers.
 """
 
 from __future__ import annotations
@@ -39,11 +41,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
-import logging
-import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -51,6 +50,7 @@ from ._election import LeaderElection as AsyncLeaderElection
 from ._errors import LeadershipLost, MultilockError
 from ._events import EventStream
 from ._options import ElectionOptions
+from ._portal import AsyncCall, BlockingPortal, LoopFactory
 from ._provider import Provider
 from ._types import (
     ElectionState,
@@ -66,101 +66,7 @@ from ._url import from_url
 
 __all__ = ["EventIterator", "LeaderElection"]
 
-log = logging.getLogger(__name__)
-
 T = TypeVar("T")
-LoopFactory = Callable[[], asyncio.AbstractEventLoop]
-
-
-# ---------------------------------------------------------------------- loop threads
-class _LoopThread:
-    """One event loop running forever in one daemon thread."""
-
-    def __init__(self, factory: LoopFactory | None, name: str) -> None:
-        self.key = factory
-        self.users = 0
-        self.loop = (factory or asyncio.new_event_loop)()
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self.thread.start()
-        log.debug("started event loop thread %s", name)
-
-    def _main(self) -> None:
-        loop = self.loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_forever()
-        finally:
-            try:
-                _cancel_all_tasks(loop)
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.run_until_complete(loop.shutdown_default_executor())
-            finally:
-                asyncio.set_event_loop(None)
-                loop.close()
-
-    @property
-    def in_thread(self) -> bool:
-        return threading.get_ident() == self.thread.ident
-
-    def end(self) -> None:
-        """Stop the loop, let it finish its tasks, and wait for the thread to exit."""
-        with contextlib.suppress(RuntimeError):  # already closed
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        if not self.in_thread:
-            self.thread.join()
-
-
-def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
-    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-
-
-_registry_lock = threading.Lock()
-_loops: dict[LoopFactory | None, _LoopThread] = {}
-_private_names = itertools.count(1)
-
-
-def _acquire_loop(factory: LoopFactory | None) -> _LoopThread:
-    with _registry_lock:
-        loop_thread = _loops.get(factory)
-        if loop_thread is None or not loop_thread.thread.is_alive():
-            name = "multilock-sync" if factory is None else f"multilock-sync-{next(_private_names)}"
-            loop_thread = _loops[factory] = _LoopThread(factory, name)
-        loop_thread.users += 1
-        return loop_thread
-
-
-def _release_loop(loop_thread: _LoopThread) -> None:
-    with _registry_lock:
-        loop_thread.users -= 1
-        if loop_thread.users > 0 or loop_thread.key is None:
-            return  # still in use, or the shared default loop, which lives on
-        if _loops.get(loop_thread.key) is loop_thread:
-            del _loops[loop_thread.key]
-    loop_thread.end()
-
-
-def _forget_loops_after_fork() -> None:
-    """In a forked child the loop threads do not exist: start afresh on next use."""
-    global _registry_lock
-    _registry_lock = threading.Lock()
-    _loops.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_loops_after_fork)
-
-
-def _wait(future: concurrent.futures.Future[T]) -> T:
-    """Wait for *future*; if the wait is interrupted (Ctrl-C), cancel the work first."""
-    try:
-        return future.result()
-    except BaseException:
-        future.cancel()
-        raise
 
 
 # ---------------------------------------------------------------------- work in threads
@@ -192,7 +98,7 @@ async def _until_settled(done: asyncio.Future[T], leadership: Leadership) -> T:
     except asyncio.CancelledError:
         clock = asyncio.get_running_loop().time  # the election's clock, as in _election.py
         # Not ``time_left``, which is 0 once the term is lost: read the deadline itself.
-        while not done.done() and (left := leadership._deadline - clock()) > 0:
+        while not done.done() and (left := leadership.deadline - clock()) > 0:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({done}, timeout=left)
         raise
@@ -225,6 +131,56 @@ async def _in_worker_thread(leadership: Leadership, fn: Callable[..., object], *
         raise error if isinstance(error, Exception) else _Escaped(error)
 
 
+async def _hold_term(
+    election: AsyncLeaderElection,
+) -> tuple[asyncio.Task[RunResult[None]], Leadership | None, asyncio.Future[None]]:
+    """Start ``election.run_if_leader`` with a stand-in for *fn*; return once it runs or ends.
+
+    The stand-in is a term task that lasts until *finished* is settled (*fn* has returned
+    in the caller's thread): the step-down cancels it and ``stop()``/``resign()`` wait for
+    it. Return the run, its term (None: not leading) and *finished*.
+    """
+    loop = asyncio.get_running_loop()
+    held: asyncio.Future[Leadership] = loop.create_future()
+    finished: asyncio.Future[None] = loop.create_future()
+
+    async def hold(leadership: Leadership) -> None:
+        _settle(held, leadership)
+        await _until_settled(finished, leadership)
+
+    run = loop.create_task(election.run_if_leader(hold))
+    either: set[asyncio.Future[Any]] = {held, run}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the caller was interrupted: fn will not run
+        _settle(finished, None)
+        run.cancel()
+        raise
+    return run, held.result() if held.done() else None, finished
+
+
+async def _finish(run: asyncio.Task[RunResult[None]], finished: asyncio.Future[None]) -> RunStatus:
+    _settle(finished, None)
+    return (await run).status
+
+
+async def _build(
+    provider: Provider | str, options: ElectionOptions | None, option_fields: dict[str, Any]
+) -> AsyncLeaderElection:
+    if not isinstance(provider, str):
+        return AsyncLeaderElection(provider, options, **option_fields)
+    built = from_url(provider)
+    try:
+        return AsyncLeaderElection(built, options, **option_fields)
+    except BaseException:
+        await built.aclose()
+        raise
+
+
+async def _on_loop(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
+
+
 # ---------------------------------------------------------------------- the facade
 class LeaderElection:
     """Campaign for leadership of one group, with blocking methods, from any thread.
@@ -234,8 +190,9 @@ class LeaderElection:
     `close`). Pass an `ElectionOptions` or its fields as keywords, not both.
     *loop_factory* gives the election a loop thread of its own (see the module docstring).
 
-    ``with election:`` starts and stops it; `close` also releases the provider it owns and
-    its private loop thread.
+    ``with election:`` starts it and, on exit, stops it; an election built from a URL is
+    closed on exit instead (its provider and private loop thread released), since nobody
+    else holds its provider. `close` does the same at any time.
     """
 
     def __init__(
@@ -246,72 +203,23 @@ class LeaderElection:
         loop_factory: LoopFactory | None = None,
         **option_fields: Any,
     ) -> None:
-        self._loop_thread = _acquire_loop(loop_factory)
+        self._portal = BlockingPortal(loop_factory)
         self._closed = False
         self._close_lock = threading.Lock()
         self._owns_provider = isinstance(provider, str)
         try:
-            self._check_thread("LeaderElection()")
-            self._election: AsyncLeaderElection = self._call(
-                self._build(provider, options, option_fields)
-            )
+            self._portal.check_thread("LeaderElection()")
+            self._election = self._portal.call(_build, provider, options, option_fields)
         except BaseException:
-            _release_loop(self._loop_thread)
+            self._portal.close()
             raise
 
-    async def _build(
-        self,
-        provider: Provider | str,
-        options: ElectionOptions | None,
-        option_fields: dict[str, Any],
-    ) -> AsyncLeaderElection:
-        if not isinstance(provider, str):
-            return AsyncLeaderElection(provider, options, **option_fields)
-        built = from_url(provider)
-        try:
-            return AsyncLeaderElection(built, options, **option_fields)
-        except BaseException:
-            await built.aclose()
-            raise
-
-    # ------------------------------------------------------------------ plumbing
-    def _check_thread(self, what: str) -> None:
-        if self._loop_thread.in_thread:
-            raise RuntimeError(
-                f"{what} blocks until multilock's event loop answers, and was called from "
-                "that loop's own thread, where it would deadlock; call it from another thread"
-            )
-
-    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Hand *coro* to the loop thread."""
-        try:
-            return asyncio.run_coroutine_threadsafe(coro, self._loop_thread.loop)
-        except RuntimeError:
-            coro.close()
-            raise MultilockError("the election's event loop is closed") from None
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run *coro* on the loop thread and wait for its result."""
-        return _wait(self._submit(coro))
-
-    def _ensure_usable(self, what: str) -> None:
-        """Raise instead of blocking forever: on the loop thread, closed, or loop gone."""
-        self._check_thread(what)
+    def _call(self, what: str, fn: AsyncCall[T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the loop and wait; raise instead of blocking forever."""
+        self._portal.check_thread(what)
         if self._closed:
             raise MultilockError(f"{what}: {self!r} is closed")
-        if not self._loop_thread.thread.is_alive():
-            raise MultilockError(
-                f"{what}: the event loop thread of {self!r} is gone (was the process forked?)"
-            )
-
-    def _run(self, what: str, coro: Coroutine[Any, Any, T]) -> T:
-        """`_call` after `_ensure_usable`."""
-        try:
-            self._ensure_usable(what)
-        except BaseException:
-            coro.close()
-            raise
-        return self._call(coro)
+        return self._portal.call(fn, *args)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -360,7 +268,7 @@ class LeaderElection:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Begin campaigning on the loop thread. Idempotent; works again after stop()."""
-        self._run("start()", self._election.start())
+        self._call("start()", self._election.start)
 
     def stop(self) -> None:
         """Stop leader work, release leadership (if ``release_on_stop``) and emit LOST.
@@ -368,25 +276,24 @@ class LeaderElection:
         Waits, at most until the term's deadline, for leader work running in threads to
         return. Idempotent; the provider stays open. A no-op once closed.
         """
-        if self._closed:
-            return
-        self._run("stop()", self._election.stop())
+        if not self._closed:
+            self._call("stop()", self._election.stop)
 
     def close(self) -> None:
         """Stop the election, close the provider it owns and end its private loop thread.
 
         Idempotent. The election cannot be started again.
         """
-        self._check_thread("close()")
+        self._portal.check_thread("close()")
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         try:
-            if self._loop_thread.thread.is_alive():
-                self._call(self._aclose())
+            if self._portal.running:  # not after a fork, where the loop thread is gone
+                self._portal.call(self._aclose)
         finally:
-            _release_loop(self._loop_thread)
+            self._portal.close()
 
     async def _aclose(self) -> None:
         try:
@@ -405,7 +312,10 @@ class LeaderElection:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
+        if self._owns_provider:
+            self.close()  # built from a URL: nobody else can close it
+        else:
+            self.stop()
 
     # ------------------------------------------------------------------ waiting and work
     def wait_until_leader(self, timeout: float | None = None) -> Leadership:
@@ -415,11 +325,7 @@ class LeaderElection:
         `FakeClock` loop); when it passes first, raise `TimeoutError`. Raise
         `MultilockError` if the election is not running or stops meanwhile.
         """
-        return self._run("wait_until_leader()", self._wait_until_leader(timeout))
-
-    async def _wait_until_leader(self, seconds: float | None) -> Leadership:
-        async with asyncio.timeout(seconds):
-            return await self._election.wait_until_leader()
+        return self._call("wait_until_leader()", self._election.wait_until_leader, timeout)
 
     def run_while_leader(self, fn: Callable[..., object], *args: Any) -> None:
         """Call ``fn(leadership, *args)`` in a worker thread in each term until stopped.
@@ -434,9 +340,9 @@ class LeaderElection:
         term goes on until the election is stopped, which sets ``leadership.lost`` and
         still waits for *fn* (at most until the term's deadline).
         """
-        work = self._election.run_while_leader(_in_worker_thread, fn, *args)
+        run = self._election.run_while_leader
         try:
-            self._run("run_while_leader()", work)
+            self._call("run_while_leader()", run, _in_worker_thread, fn, *args)
         except _Escaped as escaped:
             exc = escaped.exc
         else:
@@ -451,60 +357,39 @@ class LeaderElection:
         COMPLETED with fn's value. Other exceptions of *fn* propagate. While *fn* runs,
         ``stop()`` and ``resign()`` wait for it (at most until the term's deadline).
         """
-        started: concurrent.futures.Future[tuple[Leadership, asyncio.Future[None]] | None]
-        started = concurrent.futures.Future()
-
-        async def hold(leadership: Leadership) -> None:
-            # Stands in for fn on the loop: a term task that lasts as long as fn runs here,
-            # so that the election's step-down cancels it and stop()/resign() wait for it.
-            finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            try:
-                started.set_result((leadership, finished))
-            except concurrent.futures.InvalidStateError:
-                return  # the caller was interrupted and has gone
-            await _until_settled(finished, leadership)
-
-        def not_started(_: object) -> None:
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                started.set_result(None)
-
-        self._ensure_usable("run_if_leader()")
-        outer = self._submit(self._election.run_if_leader(hold))
-        outer.add_done_callback(not_started)
-        try:
-            got = started.result()
-        except BaseException:
-            started.cancel()
-            outer.cancel()
-            raise
-        if got is None:  # not leading (or the term ended before hold could start)
-            return RunResult(status=_wait(outer).status)
-        leadership, finished = got
+        run, leadership, finished = self._call("run_if_leader()", _hold_term, self._election)
+        if leadership is None:  # not leading (or the term ended before fn could start)
+            return RunResult(status=self._finish_run(run, finished))
         try:
             value = fn(leadership, *args)
         except BaseException as exc:
-            self._finish(finished)
-            _wait(outer)
+            self._finish_run(run, finished)
             if _ended_by_loss(exc, leadership):
                 return RunResult(status=RunStatus.LOST)
             raise
         valid = leadership.is_valid
-        self._finish(finished)
-        if _wait(outer).status is RunStatus.LOST or not valid:
+        if self._finish_run(run, finished) is RunStatus.LOST or not valid:
             return RunResult(status=RunStatus.LOST)
         return RunResult(status=RunStatus.COMPLETED, value=value)
 
-    def _finish(self, finished: asyncio.Future[None]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
-            self._loop_thread.loop.call_soon_threadsafe(_settle, finished, None)
+    def _finish_run(
+        self, run: asyncio.Task[RunResult[None]], finished: asyncio.Future[None]
+    ) -> RunStatus:
+        """Tell the term that fn is done and wait for the run; LOST if closed meanwhile."""
+        try:
+            return self._portal.call(_finish, run, finished)
+        except MultilockError:
+            if self._portal.running:
+                raise
+            return RunStatus.LOST  # close() stopped the election, ending the term
 
     def resign(self) -> None:
         """Give up leadership now; a waiting candidate takes over. A no-op when not leading."""
-        self._run("resign()", self._election.resign())
+        self._call("resign()", self._election.resign)
 
     def current_leader(self) -> LeaderInfo | None:
         """Ask the store for the live leader (None when nobody holds a live lease)."""
-        return self._run("current_leader()", self._election.current_leader())
+        return self._call("current_leader()", self._election.current_leader)
 
     def events(self, kinds: EventKind = EventKind.ALL) -> EventIterator:
         """Subscribe to this election's events, as a blocking iterator.
@@ -512,23 +397,15 @@ class LeaderElection:
         It is subscribed at once, so no event after this call is missed; it ends when the
         election next stops, or when closed.
         """
-        return EventIterator(self, self._run("events()", self._subscribe(kinds)))
-
-    async def _subscribe(self, kinds: EventKind) -> EventStream:
-        return self._election.events(kinds)
+        stream = self._call("events()", _on_loop, self._election.events, kinds)
+        return EventIterator(self._portal, stream)
 
     def statistics(self) -> ElectionStatistics:
         """Return a snapshot of the election's counters (safe from any thread)."""
-        if self._loop_thread.in_thread or self._closed:
+        portal = self._portal
+        if self._closed or portal.in_loop_thread or not portal.running:
             return self._election.statistics()
-        return self._call(self._statistics())
-
-    async def _statistics(self) -> ElectionStatistics:
-        return self._election.statistics()
-
-
-#: Tasks started from the loop thread without a waiter; referenced until they finish.
-_background: set[asyncio.Task[None]] = set()
+        return portal.call(_on_loop(self._election.statistics))
 
 
 class EventIterator:
@@ -538,11 +415,10 @@ class EventIterator:
     leaving a ``with`` block.
     """
 
-    def __init__(self, election: LeaderElection, stream: EventStream) -> None:
-        self._election = election
+    def __init__(self, portal: BlockingPortal, stream: EventStream) -> None:
+        self._portal = portal
         self._stream = stream
-        self._lock = threading.Lock()
-        self._pending: concurrent.futures.Future[LeadershipEvent | None] | None = None
+        self._readers: set[asyncio.Task[Any]] = set()  # on the loop thread only
         self._closed = False
 
     @property
@@ -553,52 +429,47 @@ class EventIterator:
         return self
 
     def __next__(self) -> LeadershipEvent:
-        with self._lock:
-            if self._closed:
-                raise StopIteration
-            self._election._check_thread("next() of an event iterator")
-            try:
-                future = self._election._submit(self._next())
-            except MultilockError:  # the loop is closed, and the stream ended with it
-                self._closed = True
-                raise StopIteration from None
-            self._pending = future
+        self._portal.check_thread("next() of an event iterator")
         try:
-            event = _wait(future)
+            event = self._portal.call(self._next)
+        except MultilockError:  # the loop is gone, and the stream ended with it
+            event = None
         except concurrent.futures.CancelledError:
-            if self._closed:
-                raise StopIteration from None
-            raise
-        finally:
-            with self._lock:
-                self._pending = None
+            if not self._closed:
+                raise
+            event = None  # close() woke this reader
         if event is None:
             self._closed = True
             raise StopIteration
         return event
 
     async def _next(self) -> LeadershipEvent | None:
+        task = asyncio.current_task()
+        if self._closed or task is None:
+            return None
+        self._readers.add(task)
         try:
-            return await self._stream.__anext__()
+            return await anext(self._stream)
         except StopAsyncIteration:
             return None
+        finally:
+            self._readers.discard(task)
 
     def close(self) -> None:
         """Unsubscribe and end the iteration; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending = self._pending
-        if pending is not None:
-            pending.cancel()
-        if self._election._loop_thread.in_thread:
-            task = asyncio.get_running_loop().create_task(self._stream.aclose())
-            _background.add(task)
-            task.add_done_callback(_background.discard)
+        if self._closed:
             return
+        self._closed = True  # a reader that has not begun yet sees it and ends
         with contextlib.suppress(MultilockError):  # the loop is gone, and the stream with it
-            _wait(self._election._submit(self._stream.aclose()))
+            if self._portal.in_loop_thread:  # which must not block: let the loop do it
+                self._portal.start_task_soon(self._aclose)
+            else:
+                self._portal.call(self._aclose)
+
+    async def _aclose(self) -> None:
+        for reader in self._readers:
+            reader.cancel()
+        await self._stream.aclose()
 
     def __enter__(self) -> Self:
         return self
