@@ -4,7 +4,7 @@ Sessions:
 - ci: everything CI checks: server install, ruff, mypy --strict, unit, packaging, sample,
   integration (real servers) and fault-injection tests.
 - lint, typecheck, tests (no servers), integration, faults (the long fault campaign), demo,
-  bench, compose (against docker-compose.yml).
+  bench, compose (against docker-compose.yml), simulate (the deterministic simulator, long).
 """
 
 from __future__ import annotations
@@ -111,6 +111,24 @@ def faults(session: nox.Session) -> None:
     }
     session.run("pytest", "integration/test_campaign.py", "-p", "no:cacheprovider",
                 *session.posargs, env=env)  # fmt: skip
+
+
+@nox.session
+def simulate(session: nox.Session) -> None:
+    """The deterministic simulator's long campaign: millions of steps, one process per CPU.
+
+    ``MULTILOCK_SIM_STEPS`` (steps in all, default 2,000,000) and ``MULTILOCK_SIM_SEEDS``
+    (the first seed, a range ``A:B`` or a list ``A,B,C``; default 0) choose the run, e.g.
+    ``MULTILOCK_SIM_SEEDS=5000 nox -s simulate``; ``-- --steps 5000 --jobs 2`` are passed on.
+    Prints a line per seed, then the steps and seeds run; a failure prints its seed, a line
+    that replays it and its trace, and the session fails.
+    """
+    session.install("-e", "packages/multilock-core")
+    session.run(
+        "python", "-c",
+        "import sys; from multilock.core.testing._simulator import main; sys.exit(main())",
+        *session.posargs,
+    )  # fmt: skip
 
 
 @nox.session

@@ -6,12 +6,22 @@
 - `Cluster`: participant processes on one backend, with real faults (SIGKILL, SIGSTOP).
 - `check_timeline` and `read_event_logs`: prove that participants' logged leadership
   intervals never overlap and their tokens always rise.
+- `simulate`: a deterministic simulation of several elections on a faulty store with a
+  random user, in virtual time; one seed is one reproducible run, checked at every step.
 """
 
 from ._clock import FakeClock
 from ._cluster import Cluster, Member
 from ._contract import PROVIDER_CHECKS, ProviderFactory, check_provider
 from ._faults import Fault, FaultyProvider
+from ._simulator import (
+    SimulationConfig,
+    SimulationFailure,
+    SimulationReport,
+    StoreFactory,
+    run_simulations,
+    simulate,
+)
 from ._timeline import Interval, TimelineReport, check_timeline, read_event_logs
 
 __all__ = [
@@ -23,8 +33,14 @@ __all__ = [
     "Interval",
     "Member",
     "ProviderFactory",
+    "SimulationConfig",
+    "SimulationFailure",
+    "SimulationReport",
+    "StoreFactory",
     "TimelineReport",
     "check_provider",
     "check_timeline",
     "read_event_logs",
+    "run_simulations",
+    "simulate",
 ]
