@@ -182,23 +182,33 @@ def record_put(request: Any) -> bool:
     return bool(request.method == "PUT" and "If-Match" in request.headers)
 
 
-async def test_acquire_after_a_lost_lease_reply_continues_the_term(url: str) -> None:
+async def test_a_term_whose_lease_reply_was_lost_is_found_and_renewed(url: str) -> None:
     group = fresh()
     hook = LoseReplies()
     async with from_url(url, raw_response_hook=hook) as p, from_url(url) as q:
+        assert isinstance(p, AzureBlobProvider)
         hook.armed = lease_put
         with pytest.raises(ProviderError, match="reply lost"):
-            await p.try_acquire(group, "p1", LEASE, {})
+            await p.try_acquire(group, "p1", LEASE, {"instance": "a"})
         assert hook.armed is None, "the hook did not fire"
         # The server gave p1 the lease: it leads, though it does not know it yet.
         leader = await q.get_leader(group)
         assert leader is not None
         assert leader.participant_id == "p1"
-        assert await q.try_acquire(group, "p2", LEASE, {}) is None
-        info = await p.try_acquire(group, "p1", LEASE, {})
-        assert info is not None, "the retry did not recognise its own lease"
-        assert info.token == leader.token, "the retry started a second term"
-        await p.release(group, "p1", info.token)
+        assert dict(leader.metadata) == {"instance": "a"}
+        before = (await raw_blob(p, group).get_blob_properties()).etag
+        # A retried acquire never joins the live term, not even the one p1 itself took,
+        # and writes nothing; neither does another provider with the same participant id.
+        assert await p.try_acquire(group, "p1", LEASE, {"instance": "b"}) is None
+        assert await q.try_acquire(group, "p1", LEASE, {"instance": "c"}) is None
+        assert (await raw_blob(p, group).get_blob_properties()).etag == before
+        assert await q.get_leader(group) == leader
+        # The election's recovery: the term found by its metadata is renewed with its token,
+        # by the provider that took it (only it proposes that lease id).
+        assert not await q.renew(group, "p1", leader.token, LEASE, {"instance": "a"})
+        assert await p.renew(group, "p1", leader.token, LEASE, {"instance": "a"})
+        await p.release(group, "p1", leader.token)
+        assert await q.get_leader(group) is None
 
 
 async def test_acquire_after_a_lost_record_reply_leaves_nothing_held(url: str) -> None:

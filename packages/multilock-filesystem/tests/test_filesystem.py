@@ -173,6 +173,24 @@ async def test_half_written_temp_file_is_ignored(tmp_path: Path) -> None:
     assert again.token == info.token + 1
 
 
+async def test_live_term_refuses_its_own_participant_id_and_keeps_the_file(
+    tmp_path: Path,
+) -> None:
+    first, second = FileSystemProvider(tmp_path), FileSystemProvider(tmp_path)
+    info = await first.try_acquire("g", "p1", LEASE, {"instance": "a"})
+    assert info is not None
+    path = record_path(first, "g")
+    content, before = path.read_bytes(), os.stat(path)
+    # Two processes configured with one participant id, and the holder's own repeat.
+    assert await second.try_acquire("g", "p1", LEASE, {"instance": "b"}) is None
+    assert await first.try_acquire("g", "p1", LEASE, {"instance": "c"}) is None
+    after = os.stat(path)
+    assert path.read_bytes() == content  # a refused attempt writes nothing
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert await second.get_leader("g") == info
+    assert await first.renew("g", "p1", info.token, LEASE, {"instance": "a"})
+
+
 async def test_token_survives_release_and_a_new_provider(tmp_path: Path) -> None:
     first = FileSystemProvider(tmp_path)
     info = await first.try_acquire("g", "p1", LEASE, {})

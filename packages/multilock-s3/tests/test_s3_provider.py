@@ -1,12 +1,17 @@
-"""What `S3Provider` decides without a server: URLs, names, options, errors, redaction.
+"""What `S3Provider` decides without a server: URLs, names, options, errors, redaction,
+and its decisions over an in-memory object store that keeps S3's conditional writes.
 
 The tests against a real S3 server (moto) live in ``integration/test_s3.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import socket
+import threading
+import uuid
 from datetime import timedelta
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -139,3 +144,74 @@ async def test_invalid_names_and_tokens_fail_before_any_request() -> None:
         await provider.release("g", "p1", "1")  # type: ignore[arg-type]
     assert provider.requests_sent == 0
     await provider.aclose()
+
+
+class FakeStore:
+    """The provider's `Store` in memory: ETags, ``If-Match`` and ``If-None-Match: *``."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, tuple[str, dict[str, Any]]] = {}
+        self.puts = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> tuple[str, dict[str, Any]] | None:
+        with self._lock:
+            self.requests += 1
+            found = self.objects.get(key)
+            return None if found is None else (found[0], copy.deepcopy(found[1]))
+
+    def put(self, key: str, record: dict[str, Any], *, if_match: str | None = None) -> str | None:
+        with self._lock:
+            self.requests += 1
+            self.puts += 1
+            current = self.objects.get(key)
+            if (current is None) != (if_match is None):
+                return None  # 412: exists (If-None-Match: *) or missing (If-Match)
+            if current is not None and current[0] != if_match:
+                return None  # 412: someone else wrote first
+            etag = f'"{uuid.uuid4().hex}"'
+            self.objects[key] = (etag, copy.deepcopy(record))
+            return etag
+
+    def close(self) -> None:
+        pass
+
+
+def on_store(store: FakeStore) -> S3Provider:
+    provider = S3Provider("127.0.0.1:1", "bucket", secure=False)
+    provider._store = store  # type: ignore[assignment]
+    return provider
+
+
+async def test_a_live_term_is_never_shared_and_a_refusal_writes_nothing() -> None:
+    store = FakeStore()
+    p, q = on_store(store), on_store(store)  # two processes configured with one id
+    first = await p.try_acquire("g", "p1", 30.0, {"instance": "a"})
+    assert first is not None
+    assert first.token == 1
+    written, puts = store.objects["multilock/g.json"], store.puts
+    assert await q.try_acquire("g", "p1", 30.0, {"instance": "b"}) is None
+    assert await p.try_acquire("g", "p1", 30.0, {"instance": "c"}) is None
+    assert await p.try_acquire("g", "p2", 30.0, {}) is None
+    assert store.puts == puts, "a refused acquire sent a write"
+    assert store.objects["multilock/g.json"] == written
+    assert await q.get_leader("g") == first
+    assert await p.renew("g", "p1", first.token, 30.0, {"instance": "a"})
+    await p.release("g", "p1", first.token)
+    taken = await q.try_acquire("g", "p1", 30.0, {"instance": "b"})
+    assert taken is not None
+    assert taken.token == first.token + 1
+
+
+async def test_a_term_whose_reply_was_lost_is_renewed_after_a_read() -> None:
+    store = FakeStore()
+    p = on_store(store)
+    first = await p.try_acquire("g", "p1", 30.0, {"instance": "a"})
+    assert first is not None
+    p._mine.clear()  # as if the acquire's reply had been lost after the write
+    leader = await p.get_leader("g")
+    assert leader == first
+    assert await p.try_acquire("g", "p1", 30.0, {"instance": "a"}) is None
+    assert await p.renew("g", "p1", leader.token, 30.0, {"instance": "a"})
+    assert not await p.renew("g", "p1", leader.token + 1, 30.0, {"instance": "a"})

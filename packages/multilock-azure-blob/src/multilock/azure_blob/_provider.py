@@ -12,12 +12,14 @@ restarts of this process, for as long as the blob exists. ``get_leader`` reads t
 status with the record and reports nobody unless the blob is leased: a stale record is
 never a leader.
 
-Lease ids are ``uuid5(<random per provider>, group/participant)``: the same provider and
-participant always propose the same id, so an acquire retried after a lost reply is
-recognised by Azure (acquiring an active lease with its own id extends it) and continues
-the same term (also when the lease lapsed in the instant between the read and the retry
-and nobody took it: no one else led in between). A cancelled acquire gives back the lease
-it may have taken.
+A live term is never shared: while the blob is leased, ``try_acquire`` returns None
+whoever holds it, even a caller with the holder's participant id, and sends no write.
+Lease ids are ``uuid5(<random per provider>, group/participant)``: the provider derives
+the id again for renew and release, so it keeps no state per term, and a term whose
+acquire reply was lost (the election finds it with ``get_leader``, by its metadata) can
+still be renewed and released by the provider that took it; another provider, even with
+the same participant id, proposes a different id and cannot touch it. A cancelled acquire
+gives back the lease it may have taken.
 
 Failure modes: every driver error or timeout raises `ProviderError` (credentials
 scrubbed), with no driver retries (the core owns retries); 409/412 answers mean "someone
@@ -151,25 +153,17 @@ class AzureBlobProvider(Provider):
             await self._store.create(group, record)
             record = await self._store.read(group)
         assert record.etag is not None
+        if record.locked:
+            return None  # held, whoever holds it: a live term is never shared
         lease_id = self._lease_id(group, participant_id)
-        mine = tag(lease_id)
-        same_term = record.locked and record.participant == participant_id and record.lease == mine
-        if record.locked and not same_term:
-            return None  # held by someone else: no request that would only fail
+        now = datetime.now(UTC).isoformat()
+        new = Record(participant_id, record.token + 1, meta, now, tag(lease_id), lease)
         try:
-            if same_term:  # ours already (a retry after a lost reply): extend it
-                if not await self._store.take_lease(group, lease_id, seconds, record.etag):
-                    return None
-                new = attrs.evolve(record, metadata=meta, lease_duration=lease)
-                await self._store.write(group, new, lease_id, record.etag)
-            else:
-                # Record first, then the lease on exactly that record: a leased blob's
-                # record always names its holder.
-                now = datetime.now(UTC).isoformat()
-                new = Record(participant_id, record.token + 1, meta, now, mine, lease)
-                etag = await self._store.write(group, new, None, record.etag)
-                if not await self._store.take_lease(group, lease_id, seconds, etag):
-                    return None
+            # Record first, then the lease on exactly that record: a leased blob's record
+            # always names its holder. Writing without a lease id fails on a leased blob.
+            etag = await self._store.write(group, new, None, record.etag)
+            if not await self._store.take_lease(group, lease_id, seconds, etag):
+                return None
         except asyncio.CancelledError:
             # Leave nothing behind: give back the lease this call may have taken.
             with contextlib.suppress(Exception):

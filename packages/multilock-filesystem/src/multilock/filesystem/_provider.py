@@ -22,9 +22,12 @@ Guarantees:
   A record from another boot has expired. Where the kernel gives no boot id, estimates
   within ``BOOT_TIME_TOLERANCE`` (300 s) are one boot, so a wall-clock step larger than
   that while a lease is held could end the lease early. Wall clocks are never compared.
+- A live term is never shared: while a lease is live, ``try_acquire`` returns None
+  whoever holds it, even a caller with the holder's participant id, and leaves the record
+  as it is.
 - Cancellation: a call cancelled before its worker thread takes the lock does nothing;
-  one cancelled later completes in its thread, and a retried ``try_acquire`` by the same
-  participant returns that same term.
+  one cancelled later completes in its thread, so whoever locks next sees its write (the
+  election finds such a term with ``get_leader``, by its metadata).
 - `watch` polls the record's `os.stat` every ``poll_interval`` and reads the record only
   when it changed; it wakes followers on a new term or release, and exactly when the
   observed lease is due to expire.
@@ -208,8 +211,7 @@ class FileSystemProvider(Provider):
             return await asyncio.to_thread(self._transact, group, step, abandoned)
         except asyncio.CancelledError:
             # A worker that has not taken the lock yet now does nothing; one that has
-            # finishes under the lock, so whoever locks next sees its write, and a retried
-            # try_acquire by the same participant finds the same term.
+            # finishes under the lock, so whoever locks next sees its write.
             abandoned.set()
             raise
 
@@ -232,13 +234,9 @@ class FileSystemProvider(Provider):
 
         def step(record: Record | None, now: float) -> tuple[Record | None, LeaderInfo | None]:
             if record is not None and record.is_live(now):
-                if record.holder != participant_id:
-                    return None, None
-                assert record.acquired_at is not None
-                new = new_lease(record.token, participant_id, meta, record.acquired_at, now + lease)
-            else:
-                token = (record.token if record is not None else 0) + 1
-                new = new_lease(token, participant_id, meta, datetime.now(UTC), now + lease)
+                return None, None  # held, whoever holds it: a live term is never shared
+            token = (record.token if record is not None else 0) + 1
+            new = new_lease(token, participant_id, meta, datetime.now(UTC), now + lease)
             return new, new.info()
 
         return await self._run(group, step)

@@ -12,8 +12,9 @@ never compared with the local clock. Each write stores a fresh random ``write`` 
 every write makes a new ETag. A new term gets ``token + 1``; release writes a free
 record that keeps the token, so tokens rise across release, expiry and restarts of every
 participant, as long as the object is not deleted. The holder renews with ``If-Match`` of
-the ETag it last wrote (a 412 means it lost the term), and its own acquire of a live term
-extends it and returns the same token.
+the ETag it last wrote (a 412 means it lost the term). A live term is never shared: while
+the record is held and live, ``try_acquire`` returns None whoever holds it, even a caller
+with the holder's participant id, and writes nothing.
 
 A follower of a crashed leader takes over between one lease and one lease plus one
 ``poll_interval`` after the leader's last write; a fresh provider must watch an object for
@@ -23,9 +24,10 @@ holder changes and exactly when the lease it observes becomes due, never on a re
 Failure modes: network errors, timeouts and unexpected answers raise `ProviderError`
 (the cause chained, no credential or signature in the message). Every request is bounded
 by ``timeout`` and never retried here. A write whose reply is lost makes the next renew
-of that term re-read the object, so a lost reply does not end a live term. A cancelled
-call waits for its request to finish; a cancelled acquire that won a new term gives it up
-at once (unless the cancel came after the request had already returned).
+of that term re-read the object, so a lost reply does not end a live term (the election
+finds a term whose acquire reply was lost with ``get_leader``, by its metadata). A
+cancelled call waits for its request to finish; a cancelled acquire that won a new term
+gives it up at once (unless the cancel came after the request had already returned).
 """
 
 from __future__ import annotations
@@ -241,24 +243,15 @@ class S3Provider(Provider):
         cancelled: threading.Event,
     ) -> LeaderInfo | None:
         seen = self._read(group)
-        now = datetime.now(UTC).isoformat()
-        if seen is None:
-            token, acquired_at, new_term = 1, now, True
-        elif not seen.live():
-            token, acquired_at, new_term = int(seen.record["token"]) + 1, now, True
-        elif seen.record.get("participant") == participant_id:
-            token, acquired_at, new_term = (
-                int(seen.record["token"]),
-                seen.record["acquired_at"],
-                False,
-            )
-        else:
-            return None
-        record = make_record("held", participant_id, token, lease, meta, str(acquired_at))
+        if seen is not None and seen.live():
+            return None  # held, whoever holds it: a live term is never shared
+        token = 1 if seen is None else int(seen.record["token"]) + 1
+        acquired_at = datetime.now(UTC).isoformat()
+        record = make_record("held", participant_id, token, lease, meta, acquired_at)
         written = self._write(group, record, None if seen is None else seen.etag)
         if written is None:
             return None
-        if cancelled.is_set() and new_term:
+        if cancelled.is_set():
             # The caller was cancelled and will never learn of this term: end it now.
             log.debug("try_acquire of %s was cancelled after it won; releasing", group)
             self._write(group, {**record, "state": "free"}, written)
