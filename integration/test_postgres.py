@@ -1,8 +1,9 @@
 """`PostgresProvider` against a real PostgreSQL server: what only a server can show.
 
 The shared contract (`check_provider`) runs here on the default table and on a custom,
-mixed-case schema and table; the rest covers the table layout, server restarts,
-LISTEN/NOTIFY wake-ups, races, timeouts and connections or pools passed in by the caller.
+mixed-case schema and table; the rest covers the table layout, refused acquires writing
+nothing, server restarts, LISTEN/NOTIFY wake-ups, races, timeouts and connections or
+pools passed in by the caller.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from harness import BaseServer, require_control
 from multilock.core import ConfigurationError, ProviderError, from_url
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
 from multilock.postgres import PostgresProvider
+from multilock.postgres._sql import channel_name
 
 
 def fresh(prefix: str = "pg") -> str:
@@ -127,6 +129,48 @@ async def test_release_keeps_the_row_and_tokens_keep_rising(url: str) -> None:
         assert info is not None
         tokens.append(info.token)
     assert tokens == list(range(tokens[0], tokens[0] + 5)), tokens
+
+
+async def test_a_live_term_is_refused_even_to_its_participant_id_and_nothing_is_written(
+    url: str,
+) -> None:
+    # Two processes configured with one participant id, each with its own provider: the
+    # second must not join (nor extend, nor relabel) the first one's term, or the election
+    # could no longer tell its own term by the nonce in the metadata.
+    group = fresh()
+    channel = channel_name("public", "multilock_leases", group)
+    # xmin changes with every new row version: equal means the row was not rewritten.
+    row_of = sql.SQL(
+        "SELECT xmin::text, participant_id, token, metadata, acquired_at, expires_at"
+        " FROM multilock_leases WHERE group_name = %s"
+    )
+    async with (
+        PostgresProvider(url) as p,
+        PostgresProvider(url) as q,
+        await psycopg.AsyncConnection.connect(url, autocommit=True) as listener,
+    ):
+        await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        first = await p.try_acquire(group, "p1", 30, {"multilock.instance": "a"})
+        assert first is not None
+        before = await query(url, row_of, group)
+        assert await q.try_acquire(group, "p1", 60, {"multilock.instance": "b"}) is None
+        assert await p.try_acquire(group, "p1", 60, {"multilock.instance": "a"}) is None
+        assert await q.try_acquire(group, "p2", 60, {}) is None
+        assert await query(url, row_of, group) == before, "a refused acquire wrote the row"
+        assert await q.get_leader(group) == first
+        # The refused statements have committed, so a marker sent now is queued after any
+        # notification they sent: everything before it is theirs or the first acquire's.
+        await query(url, sql.SQL("SELECT pg_notify(%s, 'marker')"), channel)
+        payloads: list[str] = []
+        async with asyncio.timeout(5):
+            async for note in listener.notifies():
+                payloads.append(note.payload)
+                if note.payload == "marker":
+                    break
+        assert payloads == [group, "marker"], "a refused acquire sent a NOTIFY"
+        # The holder takes its term up with renew, as the election does after a lost reply.
+        assert await q.renew(group, "p1", first.token, 30, {"multilock.instance": "a"})
+        await p.release(group, "p1", first.token)
 
 
 async def test_twenty_racing_acquires_have_exactly_one_winner(url: str) -> None:

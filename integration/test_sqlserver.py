@@ -2,9 +2,9 @@
 
 The shared contract runs here on a custom, mixed-case schema and table as well (the
 default table gets it through the ``backend`` fixture); the rest covers the table layout,
-case-sensitive group names, race-safe creation, the ODBC-string form, bounded calls while
-another session holds the row lock, and server restarts. Without a server these skip (see
-``harness/fixtures_sqlserver.py``).
+refused acquires writing nothing, case-sensitive group names, race-safe creation, the
+ODBC-string form, bounded calls while another session holds the row lock, and server
+restarts. Without a server these skip (see ``harness/fixtures_sqlserver.py``).
 """
 
 from __future__ import annotations
@@ -83,6 +83,30 @@ async def test_table_layout_and_the_row_kept_on_release(url: str) -> None:
         assert again is not None
         assert again.token == info.token + 1
     query(url, f"DROP TABLE [dbo].[{table}]")
+
+
+async def test_a_live_term_is_refused_even_to_its_participant_id_and_nothing_is_written(
+    url: str,
+) -> None:
+    # Two processes configured with one participant id, each with its own provider: the
+    # second must not join (nor extend, nor relabel) the first one's term.
+    group = fresh()
+    row_of = (
+        "SELECT participant_id, token, metadata, acquired_at, expires_at"
+        " FROM [dbo].[multilock_leases] WHERE group_name = ?"
+    )
+    async with SqlServerProvider(url) as p, SqlServerProvider(url) as q:
+        first = await p.try_acquire(group, "p1", 30, {"multilock.instance": "a"})
+        assert first is not None
+        before = query(url, row_of, group)
+        assert await q.try_acquire(group, "p1", 60, {"multilock.instance": "b"}) is None
+        assert await p.try_acquire(group, "p1", 60, {"multilock.instance": "a"}) is None
+        assert await q.try_acquire(group, "p2", 60, {}) is None
+        assert query(url, row_of, group) == before, "a refused acquire wrote the row"
+        assert await q.get_leader(group) == first
+        # The holder takes its term up with renew, as the election does after a lost reply.
+        assert await q.renew(group, "p1", first.token, 30, {"multilock.instance": "a"})
+        await p.release(group, "p1", first.token)
 
 
 async def test_group_names_differing_in_case_are_different_groups(url: str) -> None:

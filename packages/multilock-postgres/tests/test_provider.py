@@ -1,4 +1,4 @@
-"""What `PostgresProvider` decides without a server: names, URLs, redaction, errors.
+"""What `PostgresProvider` decides without a server: names, URLs, redaction, errors, SQL.
 
 The tests against a real PostgreSQL live in ``integration/test_postgres.py``.
 """
@@ -15,7 +15,7 @@ import pytest
 from multilock.core import ConfigurationError, ProviderError, from_url
 from multilock.postgres import PostgresProvider
 from multilock.postgres._conninfo import ConnInfo, split_url
-from multilock.postgres._sql import channel_name, validate_identifier
+from multilock.postgres._sql import Statements, channel_name, validate_identifier
 
 SECRET = "s3cr3t-Pw"
 
@@ -72,6 +72,22 @@ def test_channel_names_fit_and_differ() -> None:
     longest = channel_name("S" * 63, "T" * 63, "g" * 255)
     assert len(longest.encode()) <= 63
     assert longest == channel_name("S" * 63, "T" * 63, "g" * 255)
+
+
+def test_acquire_takes_only_a_free_or_expired_row() -> None:
+    # A live row is refused whoever holds it, even the same participant id; a row taken
+    # always starts a new term. Behaviour on a server: integration/test_postgres.py.
+    acquire = Statements("Election", "Leases").acquire.as_string()
+    assert acquire.startswith('INSERT INTO "Election"."Leases" AS t ')
+    assert " ON CONFLICT (group_name) DO UPDATE SET token = t.token + 1," in acquire
+    assert " acquired_at = excluded.acquired_at," in acquire
+    assert acquire.endswith(
+        " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
+        " RETURNING t.token, t.acquired_at, pg_notify(%(channel)s, t.group_name)::text"
+    )
+    assert "CASE" not in acquire
+    assert "excluded.participant_id AND" not in acquire
+    assert "t.participant_id = excluded.participant_id" not in acquire
 
 
 @pytest.mark.parametrize("scheme", ["postgresql", "postgres"])

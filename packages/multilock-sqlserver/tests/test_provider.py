@@ -355,14 +355,37 @@ def test_every_write_is_one_locked_statement_on_the_server_clock() -> None:
     # Renew and release compare participant AND token; renew also needs a live lease.
     assert "t.participant_id = ? AND t.token = ? AND t.expires_at > s.now" in sql.renew
     assert "t.participant_id = ? AND t.token = ?;" in sql.release
-    # Acquire: free or expired or the same holder; a new term gets token + 1.
-    assert "t.participant_id IS NULL OR t.expires_at <= s.now" in sql.acquire
-    assert "ELSE t.token + 1 END" in sql.acquire
     assert "OUTPUT inserted.token" in sql.acquire
     assert "expires_at > SYSUTCDATETIME()" in sql.leader
     # Release keeps the row (and so its token).
     assert "DELETE" not in sql.release
     assert "participant_id = NULL" in sql.release
+
+
+def test_acquire_takes_only_a_free_or_expired_row() -> None:
+    # A live row is refused whoever holds it, even the same participant id: the only
+    # MATCHED branch is "free or expired", and it always starts a new term (token + 1).
+    acquire = Statements("dbo", "multilock_leases").acquire
+    assert acquire.count("WHEN MATCHED") == 1
+    assert (
+        " WHEN MATCHED AND (t.participant_id IS NULL OR t.expires_at <= s.now)"
+        " THEN UPDATE SET token = t.token + 1, acquired_at = s.now,"
+    ) in acquire
+    assert acquire.count("WHEN NOT MATCHED") == 1
+    assert "WHEN NOT MATCHED THEN INSERT" in acquire
+    assert "VALUES (s.group_name, s.participant_id, 1, s.metadata, s.now," in acquire
+    for gone in ("t.participant_id = s.participant_id", "CASE", "t.expires_at > s.now"):
+        assert gone not in acquire, gone
+    assert "DELETE" not in acquire
+    assert "BY SOURCE" not in acquire
+
+
+async def test_a_refused_acquire_is_none(fake: FakeDriver) -> None:
+    provider = SqlServerProvider(URL)
+    assert await provider.try_acquire("g", "p1", 5.0, {"k": "v"}) is None
+    [merge] = [sql for sql in fake.statements() if sql.startswith("MERGE")]
+    assert merge == Statements("dbo", "multilock_leases").acquire
+    await provider.aclose()
 
 
 def test_setup_is_race_safe_and_quotes_names() -> None:

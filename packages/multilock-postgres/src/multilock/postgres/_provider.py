@@ -5,16 +5,20 @@ acts at once (``INSERT .. ON CONFLICT DO UPDATE .. WHERE``, ``UPDATE .. WHERE``)
 locks decide races and exactly one of many concurrent acquires wins. Expiry is judged
 only by the server's clock. A new term gets ``token + 1`` in the statement that takes
 it; release keeps the row and its token, so tokens rise across release, expiry and
-server restarts (as long as the table is not dropped or edited). The holder's own
-acquire extends its live term and returns the same token, so every statement is
-idempotent for its caller. Acquire and release ``pg_notify`` a per-group channel in the
-same statement (delivered at commit); ``watch`` listens on a connection of its own and
-also wakes when the lease it saw is due to expire.
+server restarts (as long as the table is not dropped or edited). Acquire never joins a
+live term, whoever holds it, even the caller's own participant id: it returns None and
+writes nothing (no row change, no NOTIFY). A term whose acquire reply was lost is found
+by the election with ``get_leader`` (the metadata comes back exactly as written, with its
+instance nonce) and taken up with ``renew``, which compares participant id and token.
+Acquire and release ``pg_notify`` a per-group channel in the same statement (delivered at
+commit); ``watch`` listens on a connection of its own and also wakes when the lease it
+saw is due to expire.
 
 Failure modes: a driver error or timeout raises `ProviderError` (the driver's error as
 ``__cause__``, the password scrubbed). Connections the provider opened are dropped when
 they break and reopened by the next call; a call that failed only because a reused idle
-connection was dead (the server restarted) is retried once on a fresh one. Calls are
+connection was dead (the server restarted) is retried once on a fresh one (an acquire
+that had committed after all then gets None, like any refused one). Calls are
 bounded by ``connect_timeout``, by ``statement_timeout`` on the server, and by their sum
 plus one second in the client (psycopg may take a few more seconds to cancel a query it
 was interrupted in). A connection or pool passed in is never closed or reconnected here.

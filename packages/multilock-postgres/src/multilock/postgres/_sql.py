@@ -70,12 +70,9 @@ class Statements:
             " expires_at timestamptz)"
         ).format(t=t)
         # One statement: insert the first term, or take over a free or expired row with
-        # token + 1, or (same participant, live lease) extend it and keep the same term.
-        # Rows that stay held by someone else are not updated, so nothing is returned.
-        # NOTIFY from RETURNING runs only for a row taken; it is sent at commit.
-        same_term = sql.SQL(
-            "t.participant_id = excluded.participant_id AND t.expires_at > excluded.acquired_at"
-        )
+        # token + 1. A live row is never taken, whoever holds it (even the same
+        # participant id): the WHERE refuses it, so nothing is written or returned, and
+        # the NOTIFY in RETURNING (sent at commit) runs only for a row taken.
         self.acquire = sql.SQL(
             "INSERT INTO {t} AS t"
             " (group_name, participant_id, token, metadata, acquired_at, expires_at)"
@@ -83,15 +80,14 @@ class Statements:
             " c.now, c.now + make_interval(secs => %(lease)s)"
             " FROM (SELECT clock_timestamp() AS now) AS c"
             " ON CONFLICT (group_name) DO UPDATE SET"
-            " token = CASE WHEN {same} THEN t.token ELSE t.token + 1 END,"
-            " acquired_at = CASE WHEN {same} THEN t.acquired_at ELSE excluded.acquired_at END,"
+            " token = t.token + 1,"
             " participant_id = excluded.participant_id,"
             " metadata = excluded.metadata,"
+            " acquired_at = excluded.acquired_at,"
             " expires_at = excluded.expires_at"
             " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
-            " OR t.participant_id = excluded.participant_id"
             " RETURNING t.token, t.acquired_at, pg_notify(%(channel)s, t.group_name)::text"
-        ).format(t=t, same=same_term)
+        ).format(t=t)
         self.renew = sql.SQL(
             "UPDATE {t} AS t SET expires_at = c.now + make_interval(secs => %(lease)s),"
             " metadata = %(metadata)s"

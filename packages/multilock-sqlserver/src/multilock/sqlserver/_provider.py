@@ -6,8 +6,11 @@ the server's ``SYSUTCDATETIME()``, so exactly one of many concurrent acquires wi
 client clock is ever compared with anything. A new term gets ``token + 1`` in the statement
 that takes it; release clears the holder but keeps the row and its token, so tokens rise
 across release, expiry and server restarts (as long as the table is not dropped or edited).
-The holder's own acquire extends its live term and returns the same token, so every
-statement is idempotent for its caller. Connections run in autocommit mode.
+Acquire never joins a live term, whoever holds it, even the caller's own participant id:
+it returns None and writes nothing. A term whose acquire reply was lost is found by the
+election with ``get_leader`` (the metadata comes back exactly as written, with its
+instance nonce) and taken up with ``renew``, which compares participant id and token.
+Connections run in autocommit mode.
 
 Failure modes: a driver error or timeout raises `ProviderError` (the driver's error as
 ``__cause__``, the password scrubbed). Every pyodbc call runs in a worker thread and is
@@ -15,7 +18,8 @@ bounded by the driver's login timeout and query timeout (whole seconds, at least
 the awaiting coroutine by their sum plus one second. A cancelled call waits (within that
 bound) for its statement to end, so the caller resumes with the store in its final state.
 Connections are dropped when a call on them fails; a call that failed only because a
-reused idle connection was dead (the server restarted) is retried once on a fresh one.
+reused idle connection was dead (the server restarted) is retried once on a fresh one (an
+acquire that had committed after all then gets None, like any refused one).
 There is no watch: followers poll at the election's ``retry_interval``. pyodbc is
 imported when the first provider is built, so ``import multilock.sqlserver`` works where
 pyodbc cannot load (no unixODBC).

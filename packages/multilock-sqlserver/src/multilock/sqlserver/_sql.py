@@ -81,10 +81,9 @@ class Statements:
             " END;"
         )
         # Params: group, participant, metadata, lease seconds, lease microseconds.
-        # Takes the row if free or expired (token + 1, a new term), extends it if the same
-        # participant holds a live lease (same token, same acquired_at), inserts the first
-        # term (token 1). A row held live by someone else matches no branch: no output.
-        same = "t.participant_id = s.participant_id AND t.expires_at > s.now"
+        # Takes the row if free or expired (token + 1, a new term) or inserts the first
+        # term (token 1). A live row matches no branch, whoever holds it (even the same
+        # participant id): nothing is written and nothing is output.
         expires = "DATEADD(microsecond, s.lease_us, DATEADD(second, s.lease_s, s.now))"
         self.acquire = (
             f"MERGE {t} WITH (UPDLOCK, HOLDLOCK) AS t"
@@ -93,10 +92,8 @@ class Statements:
             " CAST(? AS int) AS lease_s, CAST(? AS int) AS lease_us,"
             " SYSUTCDATETIME() AS now) AS s"
             " ON t.group_name = s.group_name"
-            " WHEN MATCHED AND (t.participant_id IS NULL OR t.expires_at <= s.now"
-            " OR t.participant_id = s.participant_id) THEN UPDATE SET"
-            f" token = CASE WHEN {same} THEN t.token ELSE t.token + 1 END,"
-            f" acquired_at = CASE WHEN {same} THEN t.acquired_at ELSE s.now END,"
+            " WHEN MATCHED AND (t.participant_id IS NULL OR t.expires_at <= s.now)"
+            " THEN UPDATE SET token = t.token + 1, acquired_at = s.now,"
             " participant_id = s.participant_id, metadata = s.metadata,"
             f" expires_at = {expires}"
             " WHEN NOT MATCHED THEN INSERT"
