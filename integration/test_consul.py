@@ -4,7 +4,8 @@
 fixture; here the contract runs again under a nested key prefix, and the rest checks
 what Consul itself does with the provider's requests: the session's options, the key's
 record, ModifyIndex tokens, hand-off without lock-delay, a session destroyed behind the
-holder's back, blocking-query wake-ups, a lost reply, and a server restart.
+holder's back, blocking-query wake-ups, a lost reply taken up with renew, and a server
+restart.
 
 Every test needs ``consul_server``, which skips (even in CI) when no Consul can be had:
 no Consul server can run on the project's machines. Set ``MULTILOCK_TEST_CONSUL_URL``
@@ -168,8 +169,11 @@ async def test_watch_wakes_within_a_round_trip(url: str) -> None:
         await watch.aclose()  # type: ignore[attr-defined]
 
 
-async def test_a_lost_reply_to_the_acquire_is_recognised(url: str) -> None:
+async def test_a_lost_reply_to_the_acquire_is_taken_up_with_renew(url: str, raw: Any) -> None:
+    """The term of an acquire whose reply was lost is found with get_leader and taken up
+    with renew; no acquire joins it, the same participant id's included, or writes."""
     group = fresh()
+    key = f"multilock/{group}"
     async with ConsulProvider(url) as p, ConsulProvider(url) as q:
         real_put = p._client.kv.put
 
@@ -182,15 +186,25 @@ async def test_a_lost_reply_to_the_acquire_is_recognised(url: str) -> None:
 
         p._client.kv.put = put_then_lose_the_reply
         with pytest.raises(ProviderError):
-            await p.try_acquire(group, "p1", LEASE, {})
+            await p.try_acquire(group, "p1", LEASE, {"instance": "a"})
         held = await q.get_leader(group)
         assert held is not None
-        assert held.participant_id == "p1"
-        again = await p.try_acquire(group, "p1", LEASE, {})
-        assert again is not None
-        assert again.token == held.token, "the retry started a second term"
+        assert (held.participant_id, held.metadata) == ("p1", {"instance": "a"})
+        before = entry_of(raw, key)
+        assert before is not None
+        assert await p.try_acquire(group, "p1", LEASE, {"instance": "a"}) is None
+        assert await q.try_acquire(group, "p1", LEASE, {"instance": "b"}) is None
         assert await q.try_acquire(group, "p2", LEASE, {}) is None
-        await p.release(group, "p1", again.token)
+        after = entry_of(raw, key)
+        assert after is not None
+        assert (after["ModifyIndex"], after["Session"]) == (
+            before["ModifyIndex"],
+            before["Session"],
+        ), "a refused acquire wrote the key"
+        assert await p.renew(group, "p1", held.token, LEASE, {"instance": "a"})
+        assert await q.get_leader(group) == held
+        await p.release(group, "p1", held.token)
+        assert await q.get_leader(group) is None
 
 
 async def test_a_server_restart_fails_fast_and_tokens_keep_rising(

@@ -1,8 +1,9 @@
 """EtcdProvider against a real etcd: what only etcd has.
 
 `test_contract.py` runs the provider contract on it through its URL; here: lease TTL
-rounding, revoke on release, watch wake-ups on release and on lease expiry, server
-restarts (revisions, hence tokens, keep rising) and a dead server.
+rounding, a live term left untouched by a second process with the same participant id,
+revoke on release, watch wake-ups on release and on lease expiry, server restarts
+(revisions, hence tokens, keep rising) and a dead server.
 """
 
 from __future__ import annotations
@@ -66,6 +67,45 @@ async def test_lease_ttl_is_rounded_up_to_whole_seconds(provider: EtcdProvider, 
     leader = await provider.get_leader(g)
     assert leader is not None
     assert (leader.token, leader.metadata) == (info.token, {"k": "v"})
+
+
+async def test_a_live_term_is_never_joined_by_the_same_participant_id(
+    etcd_server: BaseServer, provider: EtcdProvider, raw: Any
+) -> None:
+    """Two processes configured with one participant id, each with its own provider: the
+    second one's acquire gets None and leaves the key, its value and its lease as they were.
+    """
+    g = group()
+    key = f"multilock/{g}".encode()
+    first = await provider.try_acquire(g, "p1", 10.0, {"instance": "a"})
+    assert first is not None
+    before = await raw.get(key)
+    ttl = (await raw.get_lease_info(before.lease, keys=False)).grantedTTL
+    seen = ttl
+
+    async def running_down() -> bool:  # so that a keepalive would show as a higher TTL
+        nonlocal seen
+        seen = (await raw.get_lease_info(before.lease, keys=False)).TTL
+        return bool(0 < seen <= ttl - 2)
+
+    await wait_for("the lease's TTL to run down", running_down, within=10.0)
+    async with EtcdProvider.from_url(etcd_server.url, timeout=2.0) as twin:
+        assert await twin.try_acquire(g, "p1", 10.0, {"instance": "b"}) is None
+        assert await twin.try_acquire(g, "p1", 30.0, {"instance": "b"}) is None
+        assert await provider.try_acquire(g, "p1", 10.0, {"instance": "c"}) is None
+        after = await raw.get(key)
+        assert (after.value, after.lease, after.mod_revision, after.version) == (
+            before.value,
+            before.lease,
+            before.mod_revision,
+            before.version,
+        ), "a refused acquire rewrote the key"
+        lease = await raw.get_lease_info(before.lease, keys=False)
+        assert lease.grantedTTL == ttl
+        assert 0 < lease.TTL <= seen, "a refused acquire kept the lease alive"
+        assert await twin.get_leader(g) == first
+    assert await provider.renew(g, "p1", first.token, 10.0, {"instance": "a"})
+    await provider.release(g, "p1", first.token)
 
 
 async def test_renew_fails_once_the_lease_is_gone(provider: EtcdProvider, raw: Any) -> None:

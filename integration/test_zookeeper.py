@@ -2,8 +2,9 @@
 
 The shared contract runs on every backend (test_contract.py); here: a forced session
 expiry ends the leader's term at once, a server restart, ordering by sequence number
-rather than by name, a create whose reply was lost, cleanup by ``aclose`` and by the
-refresh timer, URLs, and the session-timeout check.
+rather than by name, a create whose reply was lost, a live term left untouched by a
+repeated acquire and by another provider with the same participant id, cleanup by
+``aclose`` and by the refresh timer, URLs, and the session-timeout check.
 """
 
 from __future__ import annotations
@@ -225,6 +226,45 @@ async def test_a_create_whose_reply_was_lost_is_recognised(
         # found and undone by its prefix, never left behind as a stranger.
         await p.release(group, "p1", info.token)
         assert children(raw, group) == []
+
+
+async def test_a_live_term_is_never_rewritten_or_joined(
+    zookeeper_server: BaseServer, raw: KazooClient
+) -> None:
+    """Two processes configured with one participant id, each with its own provider: the
+    second gets None and cannot touch the first one's term; the holder's own repeated
+    acquire gets its term back as stored, and writes nothing to its node."""
+    group = fresh()
+    async with (
+        ZooKeeperProvider(hosts(zookeeper_server)) as p,
+        ZooKeeperProvider(hosts(zookeeper_server)) as q,
+    ):
+        first = await p.try_acquire(group, "p1", 8.0, {"instance": "a"})
+        assert first is not None
+        (name,) = children(raw, group)
+        path = f"{ROOT}/{group}/{name}"
+        before = raw.get(path)
+        assert await q.try_acquire(group, "p1", 8.0, {"instance": "b"}) is None
+        assert not await q.renew(group, "p1", first.token, 8.0, {"instance": "b"})
+        await q.release(group, "p1", first.token)
+        again = await p.try_acquire(group, "p1", 8.0, {"instance": "c"})
+        assert again == first
+        data, stat = raw.get(path)
+        assert (data, stat.version, stat.mtime) == (
+            before[0],
+            before[1].version,
+            before[1].mtime,
+        ), "a refused or repeated acquire wrote the leader's node"
+        assert stat.ephemeralOwner == before[1].ephemeralOwner
+        assert await q.get_leader(group) == first
+        # A repeated acquire while the stored record is in doubt (a write's reply lost)
+        # gets None: the election finds its term with get_leader and takes it up by renew.
+        p._nodes[(group, "p1")].stamped = False
+        assert await p.try_acquire(group, "p1", 8.0, {"instance": "c"}) is None
+        assert raw.get(path)[1].version == before[1].version
+        assert await p.renew(group, "p1", first.token, 8.0, {"instance": "a"})
+        assert await p.try_acquire(group, "p1", 8.0, {"instance": "c"}) == first
+        await p.release(group, "p1", first.token)
 
 
 async def test_a_participant_that_stops_campaigning_leaves_no_node(

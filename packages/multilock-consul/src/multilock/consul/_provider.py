@@ -12,19 +12,24 @@ the cluster, so a new term's token exceeds every earlier one, across release, ex
 restarts of servers that keep their data. Later writes of the same term (metadata) change
 ModifyIndex, so they store the token in the value. Renew renews the session, then checks
 that the key is still held by it with the same token. Release is ``PUT ?release=<session>``
-(with ``cas``), then destroys the session. The holder's own acquire renews its session and
-returns the same term; a lost reply to the acquiring write is recognised because the key's
-``Session`` is ours. Reads use ``?consistent``; ``get_leader`` reports only a key held by
-a live session. ``watch`` runs index-based blocking queries of at most ``watch_wait`` s.
+(with ``cas``), then destroys the session. A live term is never joined: while any session
+holds the key, ``try_acquire`` returns None and writes nothing (no session, no PUT), even
+when the holder is this provider's own session for the same participant id. Reads use
+``?consistent``; ``get_leader`` reports only a key held by a live session, with the
+record as its term last wrote it. ``watch`` runs index-based blocking queries of at most
+``watch_wait`` s.
 
 Failure modes: py-consul is blocking, so every call runs in this provider's own worker
 threads; each HTTP request is bounded by ``timeout`` (no retries), a call makes at most
 six. A driver error or timeout raises `ProviderError` (the driver's error as
-``__cause__``, the ACL token scrubbed). A session that vanished (TTL missed, destroyed
-by an operator) makes ``renew`` return False. A cancelled ``try_acquire`` waits
-(bounded) for its worker and gives back a term it took. ``aclose`` leaves live sessions
-alone: destroying one would free a key whose holder still believes it leads until its
-deadline.
+``__cause__``, the ACL token scrubbed). When the reply to the acquiring PUT is lost, the
+provider keeps the term's session: the election finds the term with ``get_leader`` (by
+the instance nonce in its metadata) and takes it up with ``renew``, which renews that
+session; if the PUT never ran, the next ``try_acquire`` destroys the idle session. A
+session that vanished (TTL missed, destroyed by an operator) makes ``renew`` return
+False. A cancelled ``try_acquire`` waits (bounded) for its worker and gives back a term
+it took. ``aclose`` leaves live sessions alone: destroying one would free a key whose
+holder still believes it leads until its deadline.
 """
 
 from __future__ import annotations
@@ -191,24 +196,18 @@ class ConsulProvider(Provider):
 
     def _acquire(
         self, group: str, participant_id: str, ttl: int, meta: dict[str, str]
-    ) -> tuple[LeaderInfo | None, bool]:
-        """Return (the term or None, whether this call started it)."""
+    ) -> LeaderInfo | None:
+        """Start a term with a new session if the key is free; else None, writing nothing."""
         key, name = key_for(self.prefix, group), (group, participant_id)
         with self._lock(group, participant_id):
-            term = self._terms.get(name)
-            if term is not None:
-                check_ttl(ttl, term.ttl)
-                if not self._renew_session(term):
-                    self._forget(name, term)
-                    term = None
             entry = self._read(key)
-            if term is not None:
-                if holder(entry) == term.session:
-                    # Our term (maybe after a lost reply): the session renewal extended it.
-                    return self._update(key, entry, meta), False
-                self._forget(name, term)
             if holder(entry) is not None:
-                return None, False
+                # A live term, even one of our own sessions (a lost reply): never joined.
+                # The election takes ours up with renew, which still knows its session.
+                return None
+            term = self._terms.pop(name, None)
+            if term is not None:
+                self._destroy(term)  # it holds nothing: its PUT failed or its key was freed
             session = self._client.session.create(
                 name=f"multilock {group} {participant_id}"[:200],
                 checks=[],  # no serfHealth: only the TTL may end the session
@@ -216,15 +215,16 @@ class ConsulProvider(Provider):
                 behavior="delete",
                 ttl=ttl,
             )
+            # Kept before the PUT: if its reply is lost, renew and release still find it.
             term = self._terms[name] = _Term(session, ttl)
             record = {"participant": participant_id, "metadata": meta}
             record["acquired_at"] = datetime.now(UTC).isoformat()
             if self._put(key, record, acquire=session):
                 entry = self._read(key)
                 if holder(entry) == session:
-                    return leader_info(entry), True
+                    return leader_info(entry)
             self._forget(name, term)
-            return None, False
+            return None
 
     def _update(self, key: str, entry: Any, meta: dict[str, str]) -> LeaderInfo | None:
         """Write new metadata for the holding session's term; None if the key moved."""
@@ -298,14 +298,13 @@ class ConsulProvider(Provider):
         meta = dict(metadata)
         future = self._submit("try_acquire", self._acquire, group, participant_id, ttl, meta)
         try:
-            info, _ = await asyncio.wrap_future(future)
+            return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             await self._undo(future, group, participant_id)
             raise
-        return info
 
     async def _undo(
-        self, future: Future[tuple[LeaderInfo | None, bool]], group: str, participant_id: str
+        self, future: Future[LeaderInfo | None], group: str, participant_id: str
     ) -> None:
         """After a cancel: wait (bounded) for the worker; give back a term it started."""
         if future.cancelled():
@@ -313,8 +312,8 @@ class ConsulProvider(Provider):
         bound = self._settings.timeout * 6
         with contextlib.suppress(Exception, asyncio.CancelledError):
             async with asyncio.timeout(bound):
-                info, started = await asyncio.wrap_future(future)
-                if info is not None and started:
+                info = await asyncio.wrap_future(future)
+                if info is not None:
                     await self._call("release", self._release, group, participant_id, info.token)
 
     async def renew(

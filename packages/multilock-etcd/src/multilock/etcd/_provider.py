@@ -8,16 +8,22 @@ deadline; each renew sends one keepalive and checks that the key still exists wi
 caller's participant id and token. The token is the key's create revision: etcd revisions
 are global to the cluster and only rise, also across restarts (they live in the data
 dir), so every new term's token is larger than every earlier one. A key attached to a
-lease vanishes when the lease expires, so ``get_leader`` reports only live terms. The
-holder's own acquire extends its term and returns the same token. Release is a txn that
-deletes the key only if its create revision and value are still the caller's, then
-revokes the lease. ``watch`` uses an etcd watch on the key: it wakes followers on every
-put and delete, including the delete etcd makes when a lease expires.
+lease vanishes when the lease expires, so ``get_leader`` reports only live terms, with
+the record exactly as its term last wrote it. A live term is never joined: while the
+key exists ``try_acquire`` returns None, whoever holds it (the same participant id too:
+two processes may share one), and writes nothing; one that loses the txn race revokes
+the lease it granted. Release is a txn that deletes the key only if its create revision
+and value are still the caller's, then revokes the lease. ``watch`` uses an etcd watch on
+the key: it wakes followers on every put and delete, including the delete etcd makes
+when a lease expires.
 
 Failure modes: every failed or timed-out call raises `ProviderError` with the driver's
 error as ``__cause__`` (passwords scrubbed). Every call is bounded by ``timeout`` (no
-retries: the core owns them). gRPC reconnects by itself after a server restart; a
-broken watch stream raises `ProviderError` and the core watches again later.
+retries: the core owns them). An acquiring txn whose reply is lost leaves a term the
+caller does not know it has: the election finds it with ``get_leader`` (by the instance
+nonce in its metadata) and takes it up with ``renew``; a lease granted for a txn that
+never ran expires by itself. gRPC reconnects by itself after a server restart; a broken
+watch stream raises `ProviderError` and the core watches again later.
 """
 
 from __future__ import annotations
@@ -201,14 +207,14 @@ class EtcdProvider(Provider):
 
     async def _extend(
         self, key: bytes, kv: Any, info: LeaderInfo, ttl: int, metadata: dict[str, str]
-    ) -> LeaderInfo | None:
-        """Keep the term in *kv* alive for *ttl* s more; None if it has already ended."""
+    ) -> bool:
+        """Keep the term in *kv* alive for *ttl* s more; False if it has already ended."""
         reply = await self._call("lease keepalive", self._client.refresh_lease(kv.lease))
         granted = 0 if reply is None else int(reply.TTL)
         if granted <= 0:
-            return None  # the lease expired or was revoked: the key is gone with it
+            return False  # the lease expired or was revoked: the key is gone with it
         if granted >= ttl and metadata == info.metadata:
-            return info
+            return True
         # A longer lease or new metadata: rewrite the record, on a new lease if need be.
         lease_id = kv.lease
         if granted < ttl:
@@ -230,16 +236,7 @@ class EtcdProvider(Provider):
         )
         if lease_id != kv.lease:
             await self._revoke(lease_id if not ok else kv.lease)
-        return (
-            LeaderInfo(
-                participant_id=info.participant_id,
-                token=info.token,
-                metadata=metadata,
-                acquired_at=info.acquired_at,
-            )
-            if ok
-            else None
-        )
+        return bool(ok)
 
     # -- the provider -----------------------------------------------------------------
 
@@ -252,18 +249,16 @@ class EtcdProvider(Provider):
     ) -> LeaderInfo | None:
         key = self._key(group)
         ttl = math.ceil(to_seconds(lease_duration, "lease_duration"))
-        meta = dict(metadata)
-        kv = await self._get(key)
-        if kv is not None:
-            info = self._info(kv)
-            if info is None or info.participant_id != participant_id:
-                return None
-            return await self._extend(key, kv, info, ttl, meta)
+        if await self._get(key) is not None:
+            # A live term, even one of this participant id: never joined, nothing written
+            # (a key's lease ends it, so an existing key is a live term).
+            return None
         lease = await self._call("lease grant", self._client.lease(ttl))
-        record = self._record(participant_id, meta, datetime.now(UTC))
+        record = self._record(participant_id, dict(metadata), datetime.now(UTC))
         tx = self._client.transactions
-        # If the put goes through but the reply is lost, the holder's retry finds and
-        # extends its term; a lease granted for a txn that never ran expires by itself.
+        # If the put goes through but the reply is lost, the election finds the term with
+        # get_leader and takes it up with renew; a lease granted for a txn that never ran
+        # expires by itself.
         ok, responses = await self._call(
             "txn",
             self._client.transaction(
@@ -293,7 +288,7 @@ class EtcdProvider(Provider):
         info = None if kv is None else self._info(kv)
         if info is None or (info.participant_id, info.token) != (participant_id, token):
             return False
-        return await self._extend(key, kv, info, ttl, meta) is not None
+        return await self._extend(key, kv, info, ttl, meta)
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
         key = self._key(group)

@@ -8,6 +8,11 @@ which is never deleted, so tokens rise across release, expiry, session loss and 
 restarts. Nodes are only ever removed, never added below the lowest, so a candidate that
 sees itself lowest in a listing taken after its node exists leads until its node goes.
 Every write is one ZooKeeper operation on the caller's own node: create, set_data, delete.
+Nodes belong to this provider, keyed (group, participant): another provider with the same
+participant id queues its own node and cannot join, renew or release this one's term. A
+repeated ``try_acquire`` during a term returns that term as stored, metadata unchanged and
+nothing written (None while a write of its record is in doubt: the election then finds
+the term with ``get_leader`` and takes it up with ``renew``).
 
 Lease: a node lives while its ZooKeeper session does (session timeout <= lease, checked)
 and, on top, while its participant calls ``try_acquire``/``renew`` at least once per
@@ -157,10 +162,21 @@ class ZooKeeperProvider(Watches, Provider):
         line = ordered(children)
         if not line or line[0][1] != node.name:
             return None
-        if node.acquired_at is None:  # its term starts now, or started when it was made
-            node.acquired_at, node.stamped = (since, True) if since else (datetime.now(UTC), False)
-        await self._write(client, group, node, pid, meta)
         assert node.seq is not None
+        if node.acquired_at is not None:
+            # A repeated call during its term: that term as stored, never rewritten (the
+            # election knows its terms by their metadata); None while a write is in doubt.
+            if not node.stamped or node.meta is None:
+                return None
+            return LeaderInfo(
+                participant_id=pid,
+                token=node.seq,
+                metadata=dict(node.meta),
+                acquired_at=node.acquired_at,
+            )
+        # Its term starts now, or started when it was made.
+        node.acquired_at, node.stamped = (since, True) if since else (datetime.now(UTC), False)
+        await self._write(client, group, node, pid, meta)
         return LeaderInfo(
             participant_id=pid, token=node.seq, metadata=meta, acquired_at=node.acquired_at
         )
@@ -214,6 +230,7 @@ class ZooKeeperProvider(Watches, Provider):
         if node.stamped and node.meta == meta:
             return
         data = encode(pid, meta, node.acquired_at)
+        node.stamped = False  # the stored record is in doubt until the write is answered
         await self._call(client.set_async(self._path(group, node.name), data))
         node.stamped, node.meta = True, meta
 
