@@ -434,7 +434,11 @@ class LeaderElection:
             log.warning("acquire of %s answered too late to lead on", self.group)
             return
         term = _Term(
-            info=_public(info) or info, deadline=deadline, started=self._clock(), clock=self._clock
+            info=_public(info) or info,
+            sent=sent,
+            deadline=deadline,
+            started=self._clock(),
+            clock=self._clock,
         )
         self._leadership = Leadership(
             group=self.group, participant_id=self.participant_id, term=term
@@ -449,7 +453,7 @@ class LeaderElection:
 
     def _extend(self, term: _Term, sent: float) -> None:
         """A renew sent at *sent* succeeded: the only place a deadline moves."""
-        term.deadline = sent + self._usable_lease
+        term.sent, term.deadline = sent, sent + self._usable_lease
         self._schedule_deadline(term)
 
     def _schedule_deadline(self, term: _Term) -> None:
@@ -571,7 +575,7 @@ class LeaderElection:
 
     async def _lead(self, term: _Term) -> None:
         options = self._options
-        next_renew = term.deadline - self._usable_lease + options.renew_interval
+        next_renew = term.sent + options.renew_interval
         while True:
             await sleep_until(next_renew, self._interrupt)
             if term.lost.is_set():

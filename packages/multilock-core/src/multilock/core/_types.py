@@ -122,12 +122,13 @@ class RunResult(Generic[T]):
 class _Term:
     """The election's record of one term; only the election writes it.
 
-    ``deadline`` is ``sent + usable lease`` of the last successful acquire/renew on the
-    election's monotonic clock; ``ended_at`` and ``end_reason`` are set once, when the
-    election steps down (before any release is sent).
+    ``sent`` is when the last successful acquire/renew was sent, on the election's monotonic
+    clock, and ``deadline`` is ``sent + usable lease``; ``ended_at`` and ``end_reason`` are
+    set once, when the election steps down (before any release is sent).
     """
 
     info: LeaderInfo
+    sent: float
     deadline: float
     started: float
     clock: Callable[[], float]
