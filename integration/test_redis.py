@@ -2,7 +2,8 @@
 
 `test_contract.py` runs the provider contract on both through their URLs; here it runs on
 the other ways to build them (a caller's client, a list of node URLs, Sentinel, Redlock
-with a node down), and on what only Redis has: restarts, frozen and dead servers, token
+with a node down), and on what only Redis has: what a refused acquire leaves on each
+server, Redlock's undo after lost replies, restarts, frozen and dead servers, token
 seeding, pub/sub and expiry wake-ups.
 """
 
@@ -232,6 +233,179 @@ async def test_redlock_round_with_a_frozen_node_stays_within_the_lease(
             assert time.monotonic() - started < 0.3  # a majority answered: no wait
             assert await p.try_acquire(g, "p2", 2.0, {}) is None
         await p.release(g, "p1", info.token)
+
+
+# -- a live term is never joined -----------------------------------------------------------
+
+
+def lease_key(g: str) -> str:
+    return f"multilock:{{{g}}}:lease"
+
+
+#: One server's lease record of a group and its PTTL (-2: no lease).
+LeaseState = tuple[dict[Any, Any], int]
+
+
+async def lease_state(servers: list[BaseServer], g: str) -> list[LeaseState]:
+    """Each server's lease record of *g* and its PTTL."""
+    state = []
+    for server in servers:
+        async with Redis.from_url(server.url) as client:
+            state.append((await client.hgetall(lease_key(g)), await client.pttl(lease_key(g))))
+    return state
+
+
+def assert_untouched(before: list[LeaseState], after: list[LeaseState]) -> None:
+    """The same records, and no PTTL raised: nothing rewrote or extended a lease."""
+    for (record, ttl), (record_after, ttl_after) in zip(before, after, strict=True):
+        assert record
+        assert record_after == record
+        assert 0 < ttl_after <= ttl
+
+
+def lose_replies(
+    monkeypatch: pytest.MonkeyPatch, provider: RedlockProvider, index: int, *, sent: bool
+) -> list[object]:
+    """Make node *index* lose its acquire replies: its script runs (if *sent*), then the
+    caller gets `ProviderError`, as after a timeout or a dropped connection. Returns the
+    list the lost replies go to."""
+    node = provider._nodes[index]
+    acquire, lost = node.acquire, list[object]()
+
+    async def lossy(*args: Any, **kwargs: Any) -> None:
+        if sent:
+            lost.append(await acquire(*args, **kwargs))
+        raise ProviderError(f"the reply of node {index} was lost")
+
+    monkeypatch.setattr(node, "acquire", lossy)
+    return lost
+
+
+@pytest.mark.parametrize("kind", ["redis", "redlock"])
+async def test_the_same_participant_id_never_joins_a_live_term(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Two processes configured with one participant id: the second is refused, and so is
+    a repeat by the holder, and neither extends the lease or rewrites its metadata."""
+    if kind == "redis":
+        servers: list[BaseServer] = [request.getfixturevalue("redis_server")]
+    else:
+        servers = request.getfixturevalue("redis_servers")
+    urls = [s.url for s in servers]
+
+    def make() -> RedisProvider | RedlockProvider:
+        return RedisProvider(urls[0]) if kind == "redis" else RedlockProvider(urls)
+
+    g = group()
+    async with make() as p, make() as q:
+        first = await p.try_acquire(g, "p1", 5.0, {"instance": "a"})
+        assert first is not None
+        before = await lease_state(servers, g)
+        # A longer lease and other metadata than the term's: writing either would show.
+        assert await q.try_acquire(g, "p1", 60.0, {"instance": "b"}) is None
+        assert await p.try_acquire(g, "p1", 60.0, {"instance": "c"}) is None
+        assert_untouched(before, await lease_state(servers, g))
+        # How the election takes up a term whose reply it lost: get_leader, then renew.
+        leader = await q.get_leader(g)
+        assert leader is not None
+        assert (leader.participant_id, leader.token) == ("p1", first.token)
+        assert leader.metadata == {"instance": "a"}
+        assert await p.renew(g, "p1", first.token, 5.0, {"instance": "a"})
+        await p.release(g, "p1", first.token)
+
+
+async def test_redlock_majority_refuses_the_same_participant_id(
+    redis_servers: list[BaseServer],
+) -> None:
+    """Node 0 lost the lease (a restart without data): the second provider gets node 0,
+    the majority that holds the term refuses it and writes nothing, and the undo frees
+    node 0 again."""
+    urls = [s.url for s in redis_servers]
+    g = group()
+    async with RedlockProvider(urls) as p, RedlockProvider(urls) as q:
+        first = await p.try_acquire(g, "p1", 5.0, {"instance": "a"})
+        assert first is not None
+        async with Redis.from_url(urls[0]) as client:
+            assert await client.delete(lease_key(g)) == 1
+        before = await lease_state(redis_servers[1:], g)
+        assert await q.try_acquire(g, "p1", 60.0, {"instance": "b"}) is None
+        assert_untouched(before, await lease_state(redis_servers[1:], g))
+        assert await lease_state(redis_servers[:1], g) == [({}, -2)]
+        leader = await p.get_leader(g)
+        assert leader is not None
+        assert (leader.token, leader.metadata) == (first.token, {"instance": "a"})
+        assert await p.renew(g, "p1", first.token, 5.0, {"instance": "a"})
+        await p.release(g, "p1", first.token)
+
+
+async def test_redlock_undo_after_a_lost_reply_spares_a_lease_of_the_same_id(
+    redis_servers: list[BaseServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The undo cannot tell from a lost reply whether the node refused: it must delete
+    only this attempt's lease, never the term that the same participant id holds there,
+    whatever the tokens (node 0 came back from an old snapshot: no lease, a counter far
+    behind, so this attempt's tokens are below the term's)."""
+    urls = [s.url for s in redis_servers]
+    g = group()
+    async with RedlockProvider(urls) as p, RedlockProvider(urls) as q:
+        first = await p.try_acquire(g, "p1", 30.0, {"instance": "a"})
+        assert first is not None
+        async with Redis.from_url(urls[0]) as client:
+            await client.delete(lease_key(g))
+            await client.set(f"multilock:{{{g}}}:token", first.token - 1000)
+        before = await lease_state(redis_servers[1:], g)
+        lost = lose_replies(monkeypatch, q, 1, sent=True)
+        assert await q.try_acquire(g, "p1", 30.0, {"instance": "b"}) is None
+        assert lost == [None], "node 1 should have refused (its reply then lost)"
+        assert_untouched(before, await lease_state(redis_servers[1:], g))
+        assert await lease_state(redis_servers[:1], g) == [({}, -2)]
+        assert await p.renew(g, "p1", first.token, 30.0, {"instance": "a"})
+        await p.release(g, "p1", first.token)
+
+
+async def test_redlock_undoes_a_lease_whose_reply_was_lost(
+    redis_servers: list[BaseServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node granted but its reply was lost: after a won round the stray lease there is
+    undone in the background (it would otherwise block that node for a whole lease),
+    and the term stays on the majority that confirmed it."""
+    urls = [s.url for s in redis_servers]
+    g = group()
+    async with RedlockProvider(urls) as p:
+        lost = lose_replies(monkeypatch, p, 1, sent=True)
+        info = await p.try_acquire(g, "p1", 30.0, {"instance": "a"})
+        assert info is not None
+        assert len(lost) == 1
+        assert lost[0] is not None, "node 1 should have granted"
+
+        async def stray_undone() -> bool:
+            return (await lease_state(redis_servers[1:2], g)) == [({}, -2)]
+
+        await wait_for("the stray lease on node 1 to be undone", stray_undone, 2.0)
+        for record, ttl in await lease_state(redis_servers[::2], g):
+            assert record[b"token"] == str(info.token).encode()
+            assert ttl > 0
+        leader = await p.get_leader(g)
+        assert leader is not None
+        assert leader.token == info.token
+        await p.release(g, "p1", info.token)
+
+
+async def test_redlock_undoes_every_lease_of_a_failed_round(
+    redis_servers: list[BaseServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 1 granted and its reply was lost, node 2 never got the request: no majority,
+    so the round raises, and nothing of it is left on any node."""
+    urls = [s.url for s in redis_servers]
+    g = group()
+    async with RedlockProvider(urls) as p:
+        lost = lose_replies(monkeypatch, p, 1, sent=True)
+        lose_replies(monkeypatch, p, 2, sent=False)
+        with pytest.raises(ProviderError, match="majority"):
+            await p.try_acquire(g, "p1", 30.0, {})
+        assert len(lost) == 1
+        assert lost[0] is not None, "node 1 should have granted"
+        assert await lease_state(redis_servers, g) == [({}, -2)] * 3
 
 
 # -- tokens across restarts ------------------------------------------------------------------

@@ -48,11 +48,10 @@ def encode_metadata(metadata: dict[str, str]) -> str:
 
 @attrs.frozen
 class Granted:
-    """What one node's acquire script gave: the token and whether the term is new."""
+    """What one node's acquire script gave: the token of the new lease and when it began."""
 
     token: int
     acquired_at: datetime
-    new: bool
 
 
 class Node:
@@ -157,8 +156,10 @@ class Node:
         *,
         candidate: int = 0,
         clock_floor: bool,
+        attempt: str = "",
         within: float | None = None,
     ) -> Granted | None:
+        """Create a lease if none is live here; None while one is (whoever holds it)."""
         lease, counter, channel = self._keys(group)
         args: list[str | int] = [
             participant_id,
@@ -167,14 +168,15 @@ class Node:
             candidate,
             "1" if clock_floor else "0",
             channel,
+            attempt,
         ]
         reply = await self.call(
             "acquire", lambda: self._acquire(keys=[lease, counter], args=args), within
         )
         if not reply:
             return None
-        token, acquired_at, new = reply
-        return Granted(int(_text(token)), _time(acquired_at), _text(new) == "1")
+        token, acquired_at = reply
+        return Granted(int(_text(token)), _time(acquired_at))
 
     async def renew(
         self,
@@ -196,11 +198,12 @@ class Node:
         participant_id: str,
         token: int,
         *,
-        at_least: bool = False,
+        attempt: str = "",
         within: float | None = None,
     ) -> bool:
+        """Delete the participant's lease with *token*, or with *attempt* (any token) if given."""
         lease, _, channel = self._keys(group)
-        args: list[str | int] = [participant_id, token, channel, ">=" if at_least else "="]
+        args: list[str | int] = [participant_id, token, channel, attempt]
         reply = await self.call("release", lambda: self._release(keys=[lease], args=args), within)
         return int(reply) == 1
 

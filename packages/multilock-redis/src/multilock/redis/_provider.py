@@ -1,14 +1,18 @@
 """`RedisProvider`: leases on one Redis server (or the master a Sentinel names).
 
 Guarantees. Every write is one Lua script, atomic on the server: acquire takes the lease
-only when its key is absent (or extends it for its holder, same token); renew and release
-compare participant id and token. Expiry is judged by Redis alone (PX on the lease key),
-so ``get_leader`` sees only live leases. Tokens come from a per-group counter that is
-never deleted and never lower than the server's clock in microseconds, so they keep
-rising across release, expiry, and restarts of a Redis that keeps no data, provided the
-server clock does not go back by more than the time between the last token and the
-restart (and, behind Sentinel, that the new master's clock is not behind the old one's
-by more than the failover took). Followers wake on pub/sub and exactly at lease expiry.
+only when its key is absent, and while a lease is live it returns None and writes
+nothing, whoever holds it, even a caller with the same participant id: a live term is
+never joined, so two processes configured with one id cannot share it. A term whose
+acquire reply was lost is found with ``get_leader``, which reports the metadata as
+written at acquire, and taken up with ``renew``; renew and release compare participant
+id and token. Expiry is judged by Redis alone (PX on the lease key), so ``get_leader``
+sees only live leases. Tokens come from a per-group counter that is never deleted and
+never lower than the server's clock in microseconds, so they keep rising across release,
+expiry, and restarts of a Redis that keeps no data, provided the server clock does not
+go back by more than the time between the last token and the restart (and, behind
+Sentinel, that the new master's clock is not behind the old one's by more than the
+failover took). Followers wake on pub/sub and exactly at lease expiry.
 
 Failure modes. A Redis without persistence that restarts forgets the lease: a second
 leader can be elected while the first one still believes it leads, until its next renew

@@ -1,14 +1,27 @@
 """`RedlockProvider`: leases on a majority of N independent Redis servers (Redlock).
 
-Guarantees. Each server runs the same atomic scripts as `RedisProvider`. A term holds when
-a majority of servers granted it, within its validity (lease - elapsed - drift, drift =
-1% of the lease + 2 ms); otherwise the attempt is undone on every server and
-``try_acquire`` returns None. To avoid split votes among concurrent candidates, the first
-server that answers is asked alone first: a candidate it refuses stops there; the
-others are then asked concurrently. ``renew`` needs a majority too, ``release`` goes to
-all, ``get_leader`` reports the holder a majority reports. One dead or hung server does
-not stall a round: every call has a short per-node timeout, and reads end as soon as
-their outcome is decided.
+Guarantees. Each server runs the same atomic scripts as `RedisProvider`, so a server
+grants a lease only when it holds none: it refuses while any lease is live there, even
+one of the caller's participant id, and a refusal writes nothing. A term holds when a
+majority of servers granted it, within its validity (lease - elapsed - drift, drift =
+1% of the lease + 2 ms); otherwise the attempt is undone and ``try_acquire`` returns
+None. A live term is thus never joined, nor extended by anyone's ``try_acquire``: a term
+whose reply was lost is found with ``get_leader`` and taken up with ``renew``. To avoid
+split votes among concurrent candidates, the first server that answers is asked alone
+first: a candidate it refuses stops there; the others are then asked concurrently.
+``renew`` needs a majority too, ``release`` goes to all, ``get_leader`` reports the holder
+a majority reports, with the metadata as written. One dead or hung server does not stall
+a round: every call has a short per-node timeout, and reads end as soon as their outcome
+is decided.
+
+Undo. Every lease an attempt creates carries the attempt's random nonce, and the undo
+deletes exactly those leases, whatever token a lost reply or a lost commit left there,
+and never another lease, not even one of the same participant id. It goes to every
+server that did not refuse: all of them when the attempt fails, and in the background to
+those outside the term when it succeeds. A lease the undo misses (a server unreachable,
+a request overtaken by its undo) expires within one lease; until then a minority of them
+is no term, and a majority with one token is a term like any other, which ``get_leader``
+reports and the election that made it takes up.
 
 Tokens. Every server keeps a counter; a server's token for an attempt is
 max(counter + 1, candidate), where the candidate is the token of the first server, and
@@ -25,16 +38,19 @@ Failure modes (Kleppmann's critique holds): safety rests on timing. A server tha
 restarts without data, or whose clock jumps forward, can expire a lease early and let a
 second leader in, and a leader paused (GC, SIGSTOP) past its deadline acts on a lease
 that is gone. The election's deadline bounds the first holder's belief; only the fencing
-token, checked by the protected resource, makes stale writes harmless.
+token, checked by the protected resource, makes stale writes harmless. A stray lease on
+the first server that answers makes every candidate stop there until it is undone or
+expires: it delays the next term, never splits one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence, Set
 from typing import Any, TypeVar
 
 import attrs
@@ -80,14 +96,17 @@ def _vote(
 
 @attrs.define
 class _Attempt:
-    """One try_acquire: what each node was asked and gave, so it can be undone."""
+    """One try_acquire: which nodes were asked and what they gave, so it can be undone."""
 
     group: str
     participant_id: str
     ms: int
     metadata: str
-    #: node index -> the smallest token a lease of ours there could carry
-    sent: dict[int, int] = attrs.field(factory=dict)
+    #: Stored with every lease this attempt creates, so that its undo deletes those and no
+    #: other lease: not even one of the same participant id (another process, or an earlier
+    #: attempt whose reply was lost and which the election may take up).
+    nonce: str = attrs.field(factory=lambda: secrets.token_hex(8))
+    sent: set[int] = attrs.field(factory=set)
     granted: dict[int, Granted] = attrs.field(factory=dict)
     refused: set[int] = attrs.field(factory=set)
     errors: list[ProviderError] = attrs.field(factory=list)
@@ -172,6 +191,11 @@ class RedlockProvider(Provider):
             validity = ms / 1000 * (1 - _DRIFT_FACTOR) - _DRIFT_MIN - (time.monotonic() - started)
             if token is not None and validity > 0:
                 first = attempt.granted[min(attempt.granted)]
+                # A node whose reply or commit was lost may hold a lease of this attempt
+                # outside the term: undo those in the background (a hung node must not
+                # delay the term); a lease the undo misses expires on its own.
+                holding = {i for i, g in attempt.granted.items() if g.token == token}
+                await self._undo(attempt, keep=holding, wait=False)
                 return LeaderInfo(
                     participant_id=participant_id,
                     token=token,
@@ -190,12 +214,12 @@ class RedlockProvider(Provider):
         return None
 
     async def _ask(self, attempt: _Attempt, i: int, candidate: int, limit: float) -> bool:
-        """Ask node *i* for the lease; return whether it answered."""
-        attempt.sent[i] = candidate
+        """Ask node *i* for the lease; return whether it answered (a refusal wrote nothing)."""
+        attempt.sent.add(i)
         try:
             granted = await self._nodes[i].acquire(
                 attempt.group, attempt.participant_id, attempt.ms, attempt.metadata,
-                candidate=candidate, clock_floor=False, within=limit,
+                candidate=candidate, clock_floor=False, attempt=attempt.nonce, within=limit,
             )  # fmt: skip
         except ProviderError as exc:
             attempt.errors.append(exc)
@@ -234,16 +258,23 @@ class RedlockProvider(Provider):
         holding = sum(1 for g in attempt.granted.values() if g.token == token)
         return token if holding >= self.quorum else None
 
-    async def _undo(self, attempt: _Attempt) -> None:
-        """Release whatever this attempt may have taken, on every node, best effort."""
-        floors = {i: attempt.granted[i].token if i in attempt.granted else c
-                  for i, c in attempt.sent.items() if i not in attempt.refused}  # fmt: skip
-        if not floors:
+    async def _undo(
+        self, attempt: _Attempt, keep: Set[int] = frozenset(), *, wait: bool = True
+    ) -> None:
+        """Delete the leases this attempt may have created outside *keep*, best effort.
+
+        Refused nodes wrote nothing; on the others the lease must carry the attempt's nonce,
+        whatever its token (a lost reply, a lost commit). With *wait* False the calls run in
+        the background, and `aclose` waits for them.
+        """
+        undo = sorted(attempt.sent - attempt.refused - keep)
+        if not undo:
             return
-        g, pid = attempt.group, attempt.participant_id
+        g, pid, nonce = attempt.group, attempt.participant_id, attempt.nonce
         results = await self._fanout(
-            list(floors),
-            lambda i: self._nodes[i].release(g, pid, floors[i], at_least=True),
+            undo,
+            lambda i: self._nodes[i].release(g, pid, 0, attempt=nonce),
+            None if wait else lambda _: True,
         )
         for i, result in results.items():
             if isinstance(result, ProviderError):

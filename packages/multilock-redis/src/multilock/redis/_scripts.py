@@ -2,8 +2,10 @@
 
 Keys of a group (``{group}`` is a Redis Cluster hash tag, so all of them share one slot):
 
-- ``<prefix>{<group>}:lease``: a hash (participant, token, metadata, acquired_at) with a
-  PX expiry. It exists exactly while a lease is live: Redis judges expiry on its own clock.
+- ``<prefix>{<group>}:lease``: a hash (participant, token, metadata, acquired_at, and for
+  Redlock the attempt id) with a PX expiry. It exists exactly while a lease is live: Redis
+  judges expiry on its own clock. Only the script that creates it writes the metadata it
+  starts with, so a term reads back as it was made until its holder renews it.
 - ``<prefix>{<group>}:token``: the last token handed out. Never deleted, no TTL.
 - channel ``<prefix>{<group>}:changed``: a message on every new term and every release.
 
@@ -16,9 +18,10 @@ from __future__ import annotations
 
 __all__ = ["ACQUIRE", "COMMIT", "RELEASE", "RENEW", "channel_name", "lease_key", "token_key"]
 
-# KEYS: lease, token counter.
-# ARGV: participant, lease ms, metadata JSON, candidate token, clock floor ("1"/"0"), channel.
-# Returns false when another participant holds the lease, else {token, acquired_at_us, new}.
+# KEYS: lease, token counter. ARGV: participant, lease ms, metadata JSON, candidate token,
+# clock floor ("1"/"0"), channel, attempt id ("" for none).
+# Returns false while any lease is live, the caller's own participant id included: a live
+# term is never joined, and a refused call writes nothing. Else {token, acquired_at_us}.
 #
 # The new token is max(counter + 1, candidate). A missing counter (a Redis that restarted
 # without its data) counts as the server's TIME in microseconds; with the clock floor
@@ -27,14 +30,8 @@ __all__ = ["ACQUIRE", "COMMIT", "RELEASE", "RENEW", "channel_name", "lease_key",
 # time between the last token and the restart, and that no counter ever outruns the
 # clock, which holds because a script takes far longer than one microsecond to run.
 ACQUIRE = """
-local held = redis.call('HMGET', KEYS[1], 'participant', 'token', 'acquired_at')
-if held[1] then
-  if held[1] ~= ARGV[1] then
-    return false
-  end
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  redis.call('HSET', KEYS[1], 'metadata', ARGV[3])
-  return {held[2], held[3], '0'}
+if redis.call('HMGET', KEYS[1], 'participant')[1] then
+  return false
 end
 local now = redis.call('TIME')
 local clock = tonumber(now[1]) * 1000000 + tonumber(now[2])
@@ -47,9 +44,12 @@ local at = string.format('%.0f', clock)
 redis.call('SET', KEYS[2], token)
 redis.call('HSET', KEYS[1], 'participant', ARGV[1], 'token', token,
            'metadata', ARGV[3], 'acquired_at', at)
+if ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[1], 'attempt', ARGV[7])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PUBLISH', ARGV[6], 'acquired')
-return {token, at, '1'}
+return {token, at}
 """
 
 # KEYS: lease. ARGV: participant, token, lease ms, metadata JSON. Returns 1 if renewed.
@@ -63,16 +63,18 @@ end
 return 0
 """
 
-# KEYS: lease. ARGV: participant, token, channel, mode. Returns 1 if released.
-# Mode "=" releases only that token; ">=" releases any of the participant's leases with a
-# token at least that large (Redlock's undo of an attempt whose reply never came).
+# KEYS: lease. ARGV: participant, token, channel, attempt id. Returns 1 if released.
+# With no attempt id ("") it releases only that participant's lease with that token. With
+# one, it releases the participant's lease that this attempt created, whatever its token
+# (Redlock's undo of an attempt whose replies did not all come, or whose commit may have
+# moved the token): never another attempt's lease, even one with the same participant id.
 RELEASE = """
-local held = redis.call('HMGET', KEYS[1], 'participant', 'token')
-if held[1] ~= ARGV[1] or not held[2] then
+local held = redis.call('HMGET', KEYS[1], 'participant', 'token', 'attempt')
+if held[1] ~= ARGV[1] then
   return 0
 end
-if ARGV[4] == '>=' then
-  if tonumber(held[2]) < tonumber(ARGV[2]) then
+if ARGV[4] ~= '' then
+  if held[3] ~= ARGV[4] then
     return 0
   end
 elseif held[2] ~= ARGV[2] then
