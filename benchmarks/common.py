@@ -37,6 +37,12 @@ AZURE_POLL = 0.2
 WATCH_POLLS = {"s3": 0.2, "azure_blob": AZURE_POLL}
 #: The resigner holds off for retry_interval; the waiting election must win within it.
 HANDOFF_RETRY = 0.25
+#: Ping-pong: how long each new leader holds its term before it resigns. Long enough for
+#: the election that just resigned to see the term (its watch wakes on the acquire, then
+#: one get_leader read: a few ms on a pushing watch), which ends its hold-off; far shorter
+#: than that hold-off (HANDOFF_RETRY), so every hand-back lands inside it and would wait
+#: out its rest if seeing the other leader did not end it.
+PINGPONG_HOLD = 0.02
 #: The filesystem's watch polls os.stat; it must poll well within the hold-off above.
 FILE_POLL = 0.1
 

@@ -15,7 +15,9 @@ happens. Azure Blob leases last 15 to 60 s, so azure_blob runs with a 15 s lease
 fewer samples (see `LIMITS`). Three measurements per backend:
 
 1. graceful handoff latency: ``resign()`` of the leader until the other election's ACQUIRED
-   event, two elections in this process, each with its own provider on the same URL;
+   event, two elections in this process, each with its own provider on the same URL; then
+   ping-pong: the same, but each new leader resigns `PINGPONG_HOLD` after it won, so the
+   leadership goes back to an election that is still in its hold-off;
 2. crash failover: a 3-process `Cluster`, SIGKILL the leader, time until the next
    ``acquired`` log line (both on ``time.monotonic``);
 3. the store operations caused by one idle follower (its provider wrapped in
@@ -51,7 +53,10 @@ import scale  # noqa: E402
 from backends import Backends  # noqa: E402
 from common import (  # noqa: E402
     ALL_BACKENDS,
+    FILE_POLL,
     HANDOFF_RETRY,
+    PINGPONG_HOLD,
+    WATCH_POLLS,
     plan,
     say,
     summary,
@@ -73,28 +78,50 @@ async def _wait(predicate: Callable[[], bool], within: float) -> bool:
     return True
 
 
-async def measure_handoff(url: str, count: int, lease: float) -> dict[str, Any]:
+#: The backends whose watch polls, and how often (seconds).
+POLLS = {**WATCH_POLLS, "filesystem": FILE_POLL}
+
+
+async def measure_handoff(
+    url: str, count: int, lease: float, hold: float | None = None, poll: float = 0.0
+) -> dict[str, Any]:
+    """*count* resign() -> the other's ACQUIRED latencies (ms) of two elections on *url*.
+
+    With *hold* None (the handoff phase), each handoff waits until the resigner is back
+    from its hold-off and following, and with a watch that polls every *poll* seconds,
+    until that watch has read the new term too, then a random part of *poll*. With *hold*
+    in seconds (the ping-pong phase), each new leader resigns *hold* after its ACQUIRED,
+    so the leadership goes back to an election that resigned only a moment ago, well
+    within its hold-off.
+    """
+    rng = random.Random(7)
+    phase = "handoff" if hold is None else "pingpong"
     providers = [from_url(url), from_url(url)]
     elections = [
         LeaderElection(
             provider,
-            group="bench-handoff",
-            participant_id=f"handoff-{i}",
+            group=f"bench-{phase}",
+            participant_id=f"{phase}-{i}",
             lease_duration=lease,
             retry_interval=HANDOFF_RETRY,
         )
         for i, provider in enumerate(providers)
     ]
     acquired: list[asyncio.Queue[float]] = [asyncio.Queue(), asyncio.Queue()]
+    seen: list[str | None] = [None, None]  # the leader each election last observed
 
     async def pump(i: int) -> None:
-        async for _event in elections[i].events(EventKind.ACQUIRED):
-            acquired[i].put_nowait(time.perf_counter())
+        async for event in elections[i].events(EventKind.ACQUIRED | EventKind.LEADER_CHANGED):
+            if event.kind is EventKind.ACQUIRED:
+                acquired[i].put_nowait(time.perf_counter())
+            else:
+                seen[i] = None if event.leader is None else event.leader.participant_id
 
-    def ready(i: int) -> Callable[[], bool]:
-        # A follower has made a campaign round since its last term (or start).
-        before = elections[i].statistics().acquire_attempts
-        return lambda: elections[i].statistics().acquire_attempts > before
+    def back(i: int) -> Callable[[], bool]:
+        # The resigner *i* has seen the other lead, which ends its hold-off: it follows.
+        # (A campaign round alone is not enough: the watch wakes it for its own release,
+        # and that round, inside the hold-off, sees nobody leading yet.)
+        return lambda: seen[i] == elections[1 - i].participant_id
 
     latencies: list[float] = []
     failures = 0
@@ -108,13 +135,15 @@ async def measure_handoff(url: str, count: int, lease: float) -> dict[str, Any]:
         # baseline with its first read, and a release before that read goes unseen.
         await _wait(lambda: all(e.statistics().acquire_attempts for e in elections), lease * 5)
         await asyncio.sleep(HANDOFF_RETRY + 1.0)
-        for _ in range(count):
+        # Ping-pong's first leg hands over to a follower that is not holding off: it only
+        # starts the game, and is not a sample.
+        for leg in range(count if hold is None else count + 1):
             leader = 0 if elections[0].is_leader else 1
             other = 1 - leader
             for queue in acquired:
                 while not queue.empty():
                     queue.get_nowait()
-            back = ready(leader)
+            seen[leader] = None
             started = time.perf_counter()
             await elections[leader].resign()
             try:
@@ -123,10 +152,17 @@ async def measure_handoff(url: str, count: int, lease: float) -> dict[str, Any]:
                 failures += 1
                 await _wait(lambda: any(e.is_leader for e in elections), lease * 5)
                 continue
-            latencies.append(won - started)
-            # The resigner comes back after its hold-off, sees the new leader, follows.
-            await _wait(back, HANDOFF_RETRY + lease * 3)
-            await asyncio.sleep(0.02)
+            if hold is None or leg:
+                latencies.append(won - started)
+            if hold is None:
+                await _wait(back(leader), HANDOFF_RETRY + lease * 3)
+                # A polling watch may have last read the store before the new term began;
+                # one poll later it has read the term, so it will see its release. Then a
+                # random phase of the polls, as a real handoff would meet them.
+                await asyncio.sleep(0.02 + poll + rng.uniform(0, poll))
+            else:
+                # Ping-pong: the new leader holds its term for *hold*, then resigns at once.
+                await asyncio.sleep(max(0.0, won + hold - time.perf_counter()))
     finally:
         for election in elections:
             await election.stop()
@@ -245,12 +281,22 @@ async def run_async(
 ) -> None:
     for name, url in urls.items():
         p = plan(name, args)
-        say(f"{name}: {p['handoffs']} handoffs, lease {p['lease']:g} s")
+        say(f"{name}: {p['handoffs']} handoffs and ping-pongs, lease {p['lease']:g} s")
         try:
-            results[name]["handoff"] = await measure_handoff(url, p["handoffs"], p["lease"])
+            results[name]["handoff"] = await measure_handoff(
+                url, p["handoffs"], p["lease"], poll=POLLS.get(name, 0.0)
+            )
         except Exception as exc:
             results[name]["handoff_error"] = repr(exc)
         say(f"{name}: handoff {results[name].get('handoff') or results[name].get('handoff_error')}")
+        try:
+            results[name]["pingpong"] = await measure_handoff(
+                url, p["handoffs"], p["lease"], hold=PINGPONG_HOLD
+            )
+        except Exception as exc:
+            results[name]["pingpong_error"] = repr(exc)
+        pingpong = results[name].get("pingpong") or results[name].get("pingpong_error")
+        say(f"{name}: ping-pong {pingpong}")
 
 
 async def run_idle(

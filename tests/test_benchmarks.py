@@ -1,9 +1,9 @@
 """The benchmark runner works end to end on every backend that runs here.
 
 Numbers are not judged here (performance targets live in benchmarks/REPORT.md); this
-proves the measurements run: every handoff happens, every crash timeline is safe, every
-peer (tooz, kazoo) is measured, the scale run reaches a leader and fails over on each of
-its backends, and the failover picture is drawn.
+proves the measurements run: every handoff and ping-pong hand-back happens, every crash
+timeline is safe, every peer (tooz, kazoo) is measured, the scale run reaches a leader and
+fails over on each of its backends, and the failover picture is drawn.
 """
 
 import os
@@ -54,9 +54,12 @@ def test_benchmark_runner_measures_everything(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = report.read_text()
+    handoff, pingpong = section(text, 1).split("\n### Ping-pong")
     for backend in BACKENDS:
-        row = cells(section(text, 1), backend)
+        row = cells(handoff, backend)
         assert row[2:4] == ["4", "0"], f"{backend}: handoffs/failed are {row[2:4]}"
+        row = cells(pingpong, backend)
+        assert row[2:4] == ["4", "0"], f"{backend}: ping-pong hand-backs/failed are {row[2:4]}"
         if backend != "memory":
             crash = cells(section(text, 2), backend)
             assert crash[-1] == "ok", crash
