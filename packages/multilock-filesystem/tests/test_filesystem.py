@@ -382,6 +382,47 @@ async def test_watch_wakes_on_acquire_and_release(tmp_path: Path) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_watch_wakes_for_a_term_that_began_and_ended_between_two_polls(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # Free before and free after, but someone led in between: a follower whose hold-off
+    # ends when another participant leads must hear of it.
+    reads = 0
+    original = FileSystemProvider._read
+
+    def counting_read(path: Path, group: str) -> Any:
+        nonlocal reads
+        reads += 1
+        return original(path, group)
+
+    monkeypatch.setattr(FileSystemProvider, "_read", staticmethod(counting_read))
+    provider = FileSystemProvider(tmp_path, poll_interval=1.0)
+    first = await provider.try_acquire("g", "p1", LEASE, {})
+    assert first is not None
+    await provider.release("g", "p1", first.token)
+    watch = provider.watch("g")
+    woke = asyncio.Event()
+
+    async def follow() -> None:
+        async for _ in watch:
+            woke.set()
+
+    task = asyncio.ensure_future(follow())
+    try:
+        # The watch's first read sees the group free; the whole term then fits in one poll.
+        before = reads
+        await wait_until(lambda: reads > before, 2, "the watch's first read")
+        brief = await provider.try_acquire("g", "p2", LEASE, {})
+        assert brief is not None
+        await provider.release("g", "p2", brief.token)
+        async with asyncio.timeout(3):
+            await woke.wait()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await watch.aclose()
+
+
 # URLs.
 
 

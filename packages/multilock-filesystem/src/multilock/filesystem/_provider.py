@@ -278,8 +278,10 @@ class FileSystemProvider(Provider):
         """Poll the record's `os.stat` every ``poll_interval``; wake at the observed expiry.
 
         The record is read (under the lock) only when its inode, size or times change,
-        and the iterator yields only when the live term (holder, token) changed, or when
-        the observed lease is due to expire. A renewal wakes nobody.
+        and the iterator yields only when the live term (holder, token) or the group's
+        last token changed, or when the observed lease is due to expire. A renewal wakes
+        nobody; a term that began and ended between two polls does (release keeps the
+        token, so "free, then free again" with a higher token means someone led).
         """
         self._paths(group)  # validates the name now, not at the first iteration
         return self._watch(group)
@@ -287,7 +289,7 @@ class FileSystemProvider(Provider):
     async def _watch(self, group: str) -> AsyncGenerator[None, None]:
         path = self._paths(group).record
         seen = await asyncio.to_thread(_stat, path)
-        live = await self._run(group, _unchanged)
+        live, token = await self._run(group, _observed)
         while True:
             expires = None if live is None else live.expires_at
             wait = self._poll_interval
@@ -302,9 +304,9 @@ class FileSystemProvider(Provider):
             if signature == seen:
                 continue
             seen = signature
-            now_live = await self._run(group, _unchanged)
-            changed = _term(now_live) != _term(live)
-            live = now_live
+            now_live, now_token = await self._run(group, _observed)
+            changed = (_term(now_live), now_token) != (_term(live), token)
+            live, token = now_live, now_token
             if changed:
                 yield None
 
@@ -321,6 +323,11 @@ def _holds(record: Record | None, now: float, participant_id: str, token: int) -
 def _unchanged(record: Record | None, now: float) -> tuple[None, Record | None]:
     """A read-only step: return the live record, or None."""
     return None, (record if record is not None and record.is_live(now) else None)
+
+
+def _observed(record: Record | None, now: float) -> tuple[None, tuple[Record | None, int]]:
+    """A read-only step: the live record (or None) and the group's last token (0: none)."""
+    return None, (_unchanged(record, now)[1], 0 if record is None else record.token)
 
 
 def _term(record: Record | None) -> tuple[str | None, int] | None:
