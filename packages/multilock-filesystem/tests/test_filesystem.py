@@ -313,18 +313,23 @@ async def test_lock_held_by_another_thread_times_out(tmp_path: Path) -> None:
 # The polling watch.
 
 
-async def test_watch_sleeps_through_renewals_and_wakes_at_expiry(
-    tmp_path: Path, monkeypatch: Any
-) -> None:
-    reads = 0
+@pytest.fixture
+def reads(monkeypatch: Any) -> list[str]:
+    """Every group whose record file any provider reads, in order."""
+    seen: list[str] = []
     original = FileSystemProvider._read
 
     def counting_read(path: Path, group: str) -> Any:
-        nonlocal reads
-        reads += 1
+        seen.append(group)
         return original(path, group)
 
     monkeypatch.setattr(FileSystemProvider, "_read", staticmethod(counting_read))
+    return seen
+
+
+async def test_watch_sleeps_through_renewals_and_wakes_at_expiry(
+    tmp_path: Path, reads: list[str]
+) -> None:
     leader = FileSystemProvider(tmp_path)
     follower = FileSystemProvider(tmp_path, poll_interval=0.02)
     info = await leader.try_acquire("g", "p1", 0.6, {})
@@ -339,10 +344,10 @@ async def test_watch_sleeps_through_renewals_and_wakes_at_expiry(
 
     task = asyncio.ensure_future(follow())
     try:
-        await wait_until(lambda: reads >= 2, 2, "the watch's first read")
-        idle_reads = reads
+        await wait_until(lambda: len(reads) >= 2, 2, "the watch's first read")
+        idle_reads = len(reads)
         await asyncio.sleep(0.2)  # 10 polls of an unchanged file: stat only, no read
-        assert reads == idle_reads
+        assert len(reads) == idle_reads
         for _ in range(3):
             assert await leader.renew("g", "p1", info.token, 0.6, {})
             await asyncio.sleep(0.15)
@@ -383,19 +388,10 @@ async def test_watch_wakes_on_acquire_and_release(tmp_path: Path) -> None:
 
 
 async def test_watch_wakes_for_a_term_that_began_and_ended_between_two_polls(
-    tmp_path: Path, monkeypatch: Any
+    tmp_path: Path, reads: list[str]
 ) -> None:
     # Free before and free after, but someone led in between: a follower whose hold-off
     # ends when another participant leads must hear of it.
-    reads = 0
-    original = FileSystemProvider._read
-
-    def counting_read(path: Path, group: str) -> Any:
-        nonlocal reads
-        reads += 1
-        return original(path, group)
-
-    monkeypatch.setattr(FileSystemProvider, "_read", staticmethod(counting_read))
     provider = FileSystemProvider(tmp_path, poll_interval=1.0)
     first = await provider.try_acquire("g", "p1", LEASE, {})
     assert first is not None
@@ -410,8 +406,8 @@ async def test_watch_wakes_for_a_term_that_began_and_ended_between_two_polls(
     task = asyncio.ensure_future(follow())
     try:
         # The watch's first read sees the group free; the whole term then fits in one poll.
-        before = reads
-        await wait_until(lambda: reads > before, 2, "the watch's first read")
+        before = len(reads)
+        await wait_until(lambda: len(reads) > before, 2, "the watch's first read")
         brief = await provider.try_acquire("g", "p2", LEASE, {})
         assert brief is not None
         await provider.release("g", "p2", brief.token)
