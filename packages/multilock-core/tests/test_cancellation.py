@@ -240,3 +240,35 @@ def test_leader_info_shown_to_users_has_no_instance_nonce():
         assert [dict(e.leader.metadata) async for e in events] == [{"zone": "eu"}]
 
     run(body)
+
+
+def test_a_release_never_overtakes_its_terms_renew_in_flight():
+    # On a store that checks versions (S3 ETags, Azure), a release sent while the term's
+    # renew is in flight reads the record before the renew rewrites it, and is refused:
+    # the lease then lives on until it expires, and a waiting candidate waits for it.
+    async def body(clock, store):
+        log = []
+
+        class SlowRenew(FaultyProvider):
+            async def renew(self, *args):
+                log.append("renew sent")
+                await asyncio.sleep(0.5)
+                ok = await super().renew(*args)
+                log.append("renew answered")
+                return ok
+
+            async def release(self, *args):
+                log.append("release sent")
+                await super().release(*args)
+
+        a = election(SlowRenew(store), "a")
+        await a.start()
+        await a.wait_until_leader()
+        while log[-1:] != ["renew sent"]:
+            await asyncio.sleep(0.01)
+        await a.resign()
+        assert log[-3:] == ["renew sent", "renew answered", "release sent"]
+        assert await store.get_leader("g") is None
+        await a.stop()
+
+    run(body)

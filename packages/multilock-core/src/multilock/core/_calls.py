@@ -18,7 +18,7 @@ T = TypeVar("T")
 _SETTLING: set[asyncio.Task[Any]] = set()
 
 
-async def call_until(call: Coroutine[Any, Any, T], deadline: float) -> T:
+async def call_until(call: Coroutine[Any, Any, T] | asyncio.Future[T], deadline: float) -> T:
     """Await a provider *call* until *deadline* (loop time), else raise `TimeoutError`.
 
     A call that times out (or whose caller is cancelled) is cancelled but not waited for:

@@ -285,7 +285,7 @@ class LeaderElection:
             if term is not None:
                 await self._wait_term_tasks(term)
                 if self._options.release_on_stop:
-                    await self._release(term.info.token)
+                    await self._release(term.info.token, term)
             elif self._campaign.in_doubt and self._options.release_on_stop:
                 await self._release_if_mine()
         finally:
@@ -380,7 +380,7 @@ class LeaderElection:
             return
         self._end_term(term, "resigned")
         await self._wait_term_tasks(term)
-        await self._release(term.info.token)
+        await self._release(term.info.token, term)
 
     async def current_leader(self) -> LeaderInfo | None:
         """Ask the store for the live leader (None when nobody holds a live lease)."""
@@ -593,7 +593,9 @@ class LeaderElection:
                     options.lease_duration,
                     {**options.metadata, INSTANCE_KEY: self._campaign.nonce},
                 )
-                ok = await call_until(renew, min(term.deadline, sent + options.renew_interval))
+                term.renewing = asyncio.ensure_future(renew)  # the release waits for it
+                bound = min(term.deadline, sent + options.renew_interval)
+                ok = await call_until(term.renewing, bound)
             except Exception as exc:
                 log.warning("renew of %s token %d failed: %r", self.group, term.info.token, exc)
             if term.lost.is_set():
@@ -705,8 +707,17 @@ class LeaderElection:
         if pending:
             log.warning("%d leader task(s) of %s ignored cancellation", len(pending), self.group)
 
-    async def _release(self, token: int) -> None:
-        deadline = self._clock() + self._options.renew_interval
+    async def _release(self, token: int, term: _Term | None = None) -> None:
+        """Release *token*, once the term's renew in flight (if any) has settled.
+
+        A release that overtook its own term's renew could be undone by it (the renew lands
+        after it and a store that checks versions refuses the release, or the lease lives
+        on until it expires): a participant's writes for one term never race each other.
+        """
+        renew_interval = self._options.renew_interval
+        if term is not None and term.renewing is not None and not term.renewing.done():
+            await asyncio.wait({term.renewing}, timeout=renew_interval)
+        deadline = self._clock() + renew_interval
         try:
             await call_until(
                 self._provider.release(self.group, self.participant_id, token), deadline

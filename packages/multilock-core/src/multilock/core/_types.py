@@ -136,6 +136,8 @@ class _Term:
     ended: asyncio.Event = attrs.field(factory=asyncio.Event)
     ended_at: float | None = None
     end_reason: str | None = None
+    #: The last renew sent for this term (it may still be in flight when the term ends).
+    renewing: asyncio.Future[bool] | None = None
 
     @property
     def is_valid(self) -> bool:
