@@ -293,3 +293,32 @@ async def test_provider_repr_and_errors_hide_the_key(url: str) -> None:
         assert KEY not in str(caught.value)
     finally:
         await dead.aclose()
+
+
+async def test_a_release_raced_by_its_own_terms_renew_still_frees_the_group(url: str) -> None:
+    group = fresh()
+    async with from_url(url) as p:
+        assert isinstance(p, AzureBlobProvider)
+        info = await p.try_acquire(group, "p1", LEASE, {})
+        assert info is not None
+        original = p._store.read
+        raced: list[str] = []
+
+        async def read_then_renew(name: str) -> Any:
+            record = await original(name)
+            if not raced:  # the release has read; the term's renew lands before its write
+                raced.append(name)
+                assert await p.renew(group, "p1", info.token, LEASE, {})
+            return record
+
+        p._store.read = read_then_renew  # type: ignore[method-assign]
+        try:
+            await p.release(group, "p1", info.token)
+        finally:
+            p._store.read = original  # type: ignore[method-assign]
+        assert raced
+        assert await p.get_leader(group) is None, "the raced release left the lease held"
+        taken = await p.try_acquire(group, "p2", LEASE, {})
+        assert taken is not None
+        assert taken.token == info.token + 1
+        await p.release(group, "p2", taken.token)

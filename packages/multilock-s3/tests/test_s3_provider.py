@@ -215,3 +215,31 @@ async def test_a_term_whose_reply_was_lost_is_renewed_after_a_read() -> None:
     assert await p.try_acquire("g", "p1", 30.0, {"instance": "a"}) is None
     assert await p.renew("g", "p1", leader.token, 30.0, {"instance": "a"})
     assert not await p.renew("g", "p1", leader.token + 1, 30.0, {"instance": "a"})
+
+
+async def test_a_release_raced_by_its_own_terms_renew_still_frees_the_group() -> None:
+    store = FakeStore()
+    p = on_store(store)
+    first = await p.try_acquire("g", "p1", 30.0, {})
+    assert first is not None
+    original = store.get
+    raced = []
+
+    def get_then_renew(key: str) -> tuple[str, dict[str, Any]] | None:
+        seen = original(key)
+        if not raced:  # the release has read; the term's renew lands before its write
+            raced.append(key)
+            assert p._renew("g", "p1", first.token, 30.0, {})
+        return seen
+
+    store.get = get_then_renew  # type: ignore[method-assign]
+    await p.release("g", "p1", first.token)
+    assert raced
+    assert await p.get_leader("g") is None
+    taken = await p.try_acquire("g", "p2", 30.0, {})
+    assert taken is not None
+    assert taken.token == first.token + 1
+    # A takeover in between is not ours to undo: the release leaves it alone.
+    store.get = original  # type: ignore[method-assign]
+    await p.release("g", "p1", first.token)
+    assert await p.get_leader("g") == taken

@@ -19,7 +19,9 @@ the id again for renew and release, so it keeps no state per term, and a term wh
 acquire reply was lost (the election finds it with ``get_leader``, by its metadata) can
 still be renewed and released by the provider that took it; another provider, even with
 the same participant id, proposes a different id and cannot touch it. A cancelled acquire
-gives back the lease it may have taken.
+gives back the lease it may have taken. A release whose write lost to a write of its own
+term (a renew in flight) reads again and retries while the record still names its
+participant, token and lease.
 
 Failure modes: every driver error or timeout raises `ProviderError` (credentials
 scrubbed), with no driver retries (the core owns retries); 409/412 answers mean "someone
@@ -67,6 +69,9 @@ if TYPE_CHECKING:
 __all__ = ["AzureBlobProvider"]
 
 log = logging.getLogger(__name__)
+
+#: Reads and conditional writes a release tries while its own term's writes race it.
+_RELEASE_TRIES = 3
 
 _EXPIRY_SLACK = 0.05  # poll just after the lease seen must have ended
 
@@ -204,16 +209,21 @@ class AzureBlobProvider(Provider):
     async def release(self, group: str, participant_id: str, token: int) -> None:
         token = check_token(token)
         lease_id = self._lease_id(group, participant_id)
-        record = await self._store.read(group)
-        if not self._holds(record, participant_id, token, lease_id):
+        # A failed write means the record changed since it was read: by a takeover (then
+        # the term is not ours to release), or by a write of this very term (its renew
+        # landing first), which must not keep the lease alive: read again and retry
+        # while the record still names this participant, token and lease.
+        for _ in range(_RELEASE_TRIES):
+            record = await self._store.read(group)
+            if not self._holds(record, participant_id, token, lease_id):
+                return
+            assert record.etag is not None
+            try:
+                await self._store.write(group, Record(token=record.token), lease_id, record.etag)
+            except HttpResponseError:
+                continue
+            await self._store.give_back(group, lease_id)
             return
-        assert record.etag is not None
-        free = Record(token=record.token)
-        try:
-            await self._store.write(group, free, lease_id, record.etag)
-        except HttpResponseError:
-            return  # not ours any more
-        await self._store.give_back(group, lease_id)
 
     @staticmethod
     def _holds(record: Record, participant_id: str, token: int, lease_id: str) -> bool:

@@ -23,7 +23,9 @@ holder changes and exactly when the lease it observes becomes due, never on a re
 
 Failure modes: network errors, timeouts and unexpected answers raise `ProviderError`
 (the cause chained, no credential or signature in the message). Every request is bounded
-by ``timeout`` and never retried here. A write whose reply is lost makes the next renew
+by ``timeout`` and never retried here, except a release whose conditional write lost
+to a write of its own term (a renew in flight): it reads again and retries while the
+record still names its participant and token. A write whose reply is lost makes the next renew
 of that term re-read the object, so a lost reply does not end a live term (the election
 finds a term whose acquire reply was lost with ``get_leader``, by its metadata). A
 cancelled call waits for its request to finish; a cancelled acquire that won a new term
@@ -61,6 +63,9 @@ from ._store import BadResponse, Store, strip_query
 __all__ = ["S3Provider"]
 
 log = logging.getLogger(__name__)
+
+#: Reads and conditional writes a release tries while its own term's writes race it.
+_RELEASE_TRIES = 3
 
 T = TypeVar("T")
 _FAILURES = (urllib3.exceptions.HTTPError, OSError, MinioException, BadResponse, ValueError)
@@ -292,15 +297,20 @@ class S3Provider(Provider):
         await self._call("release", self._release, group, participant_id, token)
 
     def _release(self, group: str, participant_id: str, token: int) -> None:
-        seen = self._read(group)
-        if seen is None or seen.record.get("state") != "held":
-            return
-        if not seen.holds(participant_id, token):
-            return
-        old = seen.record
-        free = make_record("free", participant_id, token, old["lease"], {}, old["acquired_at"])
-        # A 412 means someone else wrote first: then the term was not ours to release.
-        self._write(group, free, seen.etag)
+        # A 412 means the record changed since it was read: by a takeover (then the term
+        # is not ours to release), or by a write of this very term (its renew landing
+        # first), which must not keep the lease alive: read again and retry while the
+        # record still names this participant and token.
+        for _ in range(_RELEASE_TRIES):
+            seen = self._read(group)
+            if seen is None or seen.record.get("state") != "held":
+                return
+            if not seen.holds(participant_id, token):
+                return
+            old = seen.record
+            free = make_record("free", participant_id, token, old["lease"], {}, old["acquired_at"])
+            if self._write(group, free, seen.etag) is not None:
+                return
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
         return await self._call("get_leader", self._leader, group)
