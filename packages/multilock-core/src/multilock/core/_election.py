@@ -710,9 +710,9 @@ class LeaderElection:
     async def _release(self, token: int, term: _Term | None = None) -> None:
         """Release *token*, once the term's renew in flight (if any) has settled.
 
-        A release that overtook its own term's renew could be undone by it (the renew lands
-        after it and a store that checks versions refuses the release, or the lease lives
-        on until it expires): a participant's writes for one term never race each other.
+        A renew that lands between a release's read and its write makes a store that checks
+        versions (S3 ETags, Azure) refuse the release, and the lease then lives on until
+        it expires: a participant's writes for one term never race each other.
         """
         renew_interval = self._options.renew_interval
         if term is not None and term.renewing is not None and not term.renewing.done():
