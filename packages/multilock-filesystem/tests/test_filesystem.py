@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -362,9 +363,9 @@ async def test_watch_sleeps_through_renewals_and_wakes_at_expiry(
         await watch.aclose()
 
 
-async def test_watch_wakes_on_acquire_and_release(tmp_path: Path) -> None:
-    provider = FileSystemProvider(tmp_path, poll_interval=0.02)
-    watch = provider.watch("g")
+@contextlib.asynccontextmanager
+async def wakes(watch: AsyncIterator[None]) -> AsyncIterator[asyncio.Event]:
+    """Follow *watch* in a task; the event is set at each wake-up."""
     woke = asyncio.Event()
 
     async def follow() -> None:
@@ -373,6 +374,15 @@ async def test_watch_wakes_on_acquire_and_release(tmp_path: Path) -> None:
 
     task = asyncio.ensure_future(follow())
     try:
+        yield woke
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_watch_wakes_on_acquire_and_release(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path, poll_interval=0.02)
+    async with wakes(provider.watch("g")) as woke:
         await asyncio.sleep(0.05)
         info = await provider.try_acquire("g", "p1", LEASE, {})
         assert info is not None
@@ -382,9 +392,6 @@ async def test_watch_wakes_on_acquire_and_release(tmp_path: Path) -> None:
         await provider.release("g", "p1", info.token)
         async with asyncio.timeout(2):
             await woke.wait()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_watch_wakes_for_a_term_that_began_and_ended_between_two_polls(
@@ -397,14 +404,7 @@ async def test_watch_wakes_for_a_term_that_began_and_ended_between_two_polls(
     assert first is not None
     await provider.release("g", "p1", first.token)
     watch = provider.watch("g")
-    woke = asyncio.Event()
-
-    async def follow() -> None:
-        async for _ in watch:
-            woke.set()
-
-    task = asyncio.ensure_future(follow())
-    try:
+    async with wakes(watch) as woke:
         # The watch's first read sees the group free; the whole term then fits in one poll.
         before = len(reads)
         await wait_until(lambda: len(reads) > before, 2, "the watch's first read")
@@ -413,10 +413,7 @@ async def test_watch_wakes_for_a_term_that_began_and_ended_between_two_polls(
         await provider.release("g", "p2", brief.token)
         async with asyncio.timeout(3):
             await woke.wait()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await watch.aclose()
+    await watch.aclose()
 
 
 # URLs.

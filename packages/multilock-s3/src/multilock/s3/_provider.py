@@ -23,9 +23,9 @@ holder changes and exactly when the lease it observes becomes due, never on a re
 
 Failure modes: network errors, timeouts and unexpected answers raise `ProviderError`
 (the cause chained, no credential or signature in the message). Every request is bounded
-by ``timeout`` and never retried here, except a release whose conditional write lost
-to a write of its own term (a renew in flight): it reads again and retries while the
-record still names its participant and token. A write whose reply is lost makes the next renew
+by ``timeout`` and never retried here, except a release whose conditional write lost to
+a write of its own term (a renew in flight): it reads again and retries while the record
+still names its participant and token. A write whose reply is lost makes the next renew
 of that term re-read the object, so a lost reply does not end a live term (the election
 finds a term whose acquire reply was lost with ``get_leader``, by its metadata). A
 cancelled call waits for its request to finish; a cancelled acquire that won a new term

@@ -120,14 +120,6 @@ _ACTION_WEIGHTS = tuple(weight for _, weight in _ACTIONS)
 _UNSET = object()
 
 
-def _deadline_of(leadership: Leadership) -> float:
-    """The term's local deadline: ``Leadership.deadline``, or the older private field."""
-    value = getattr(leadership, "deadline", None)
-    if value is None:
-        value = getattr(leadership, "_deadline")  # noqa: B009 (cores before `deadline`)
-    return float(value)
-
-
 # ---------------------------------------------------------------------- public records
 @attrs.frozen(kw_only=True)
 class SimulationConfig:
@@ -1240,13 +1232,9 @@ class _Simulation:
                     f"{member.name}: ACQUIRED token {token} while token {member.holding} had "
                     "no LOST: ACQUIRED and LOST must alternate"
                 )
-            top = self.top_acquired.get(member.group, 0)
-            if token <= top and (member.group, token) not in self.doomed:
-                self.fail(
-                    f"fencing: {member.name} ACQUIRED token {token} in {member.group} after "
-                    f"token {top} was acquired"
-                )
-            self.top_acquired[member.group] = max(top, token)
+            self._check_rising(
+                self.top_acquired, member, token, f"ACQUIRED token {token} in {member.group}"
+            )
             if self.ledger.granted.get((member.group, token)) != member.pid:
                 self.fail(
                     f"{member.name}: ACQUIRED token {token}, never granted to it by the store"
@@ -1338,7 +1326,7 @@ class _Simulation:
                 leadership = term.leadership
                 if leadership is None:
                     continue
-                bound = _deadline_of(leadership) + term.member.renew_interval + 0.25
+                bound = leadership.deadline + term.member.renew_interval + 0.25
                 if now > bound:
                     self.fail(
                         f"{term.member.name}: no LOST for token {term.token} by its deadline "
@@ -1390,14 +1378,18 @@ class _Simulation:
         if term.leadership is None:
             term.leadership = leadership
             term.first_seen = now
-            top = self.top_led.get(member.group, 0)
-            if token <= top and (member.group, token) not in self.doomed:
-                self.fail(
-                    f"fencing: {member.name} leads {member.group} with token {token} after "
-                    f"token {top} led"
-                )
-            self.top_led[member.group] = max(top, token)
+            self._check_rising(
+                self.top_led, member, token, f"leads {member.group} with token {token}"
+            )
         return term
+
+    def _check_rising(self, tops: dict[str, int], member: _Member, token: int, what: str) -> None:
+        """Fencing: *token* is above every earlier one of its group in *tops* (in which
+        order terms were acquired, or led), unless the store lost that term's lease."""
+        top = tops.get(member.group, 0)
+        if token <= top and (member.group, token) not in self.doomed:
+            self.fail(f"fencing: {member.name} {what} after token {top}")
+        tops[member.group] = max(top, token)
 
     def _step_checks(self) -> None:
         now = self.clock.now
