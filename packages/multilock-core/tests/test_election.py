@@ -20,6 +20,7 @@ from multilock.core import (
     watch_leader,
     while_leader,
 )
+from multilock.core.provider import LeaseBounds
 from multilock.core.testing import FakeClock, Fault, FaultyProvider, check_timeline
 
 LEASE = 10.0
@@ -603,15 +604,19 @@ def test_options_or_fields_not_both():
         LeaderElection(store, {"group": "x"})  # type: ignore[arg-type]
 
 
-def test_provider_can_refuse_options():
+def test_provider_declares_the_leases_it_can_hold():
     class Picky(InMemoryProvider):
-        def check_options(self, options):
-            if options.lease_duration < 15:
-                raise ConfigurationError("this store needs leases of at least 15 s")
+        lease_bounds = LeaseBounds(minimum=15, maximum=60, reason="picky leases")
 
-    with pytest.raises(ConfigurationError, match="at least 15 s"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"lease_duration=5 s is out of range for Picky: use 15 to 60 s \(picky leases\)",
+    ):
         LeaderElection(Picky(), lease_duration=5)
+    with pytest.raises(ConfigurationError, match="use 15 to 60 s"):
+        LeaderElection(Picky(), lease_duration=61)
     LeaderElection(Picky(), lease_duration=20)
+    LeaderElection(Picky(), lease_duration=60)
 
 
 def test_stream_helpers():

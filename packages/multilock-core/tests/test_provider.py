@@ -39,6 +39,9 @@ class Careless(Provider):
         lambda p: p.release("", "p", 1),
         lambda p: p.get_leader("x" * 256),
         lambda p: p.get_leader(group="a;b"),
+        lambda p: p.release("g", "p", -1),
+        lambda p: p.renew("g", "p", True, 1, {}),
+        lambda p: p.renew("g", "p", "7", 1, {}),
     ],
 )
 async def test_base_class_rejects_bad_arguments_before_the_store(call):
@@ -64,4 +67,17 @@ def test_subclass_of_a_subclass_is_wrapped_once():
             return await super().get_leader(group)
 
     assert Child.get_leader is Careless.get_leader
-    assert getattr(Override.get_leader, "__multilock_validated__", False)
+    assert getattr(Override.get_leader, "__multilock_checked__", False)
+
+
+def test_watch_gets_a_checked_group():
+    class Watching(Careless):
+        def watch(self, group):
+            self.seen.append(("watch", group))
+            return None
+
+    provider = Watching()
+    with pytest.raises(ConfigurationError, match="group 'a b' is invalid"):
+        provider.watch("a b")
+    assert provider.watch("ok") is None
+    assert provider.seen == [("watch", "ok")]

@@ -163,7 +163,7 @@ class LeaderElection:
             raise ConfigurationError(
                 f"options must be an ElectionOptions, not {type(options).__name__}"
             )
-        provider.check_options(options)
+        provider.lease_bounds.check(options.lease_duration, type(provider).__name__)
         self._provider = provider
         self._options = options
         self._usable_lease = (

@@ -16,8 +16,9 @@ Rules every implementation keeps (``multilock.core.testing.check_provider`` prov
 - ``renew`` and ``release`` compare both the participant id and the token.
 - ``get_leader`` reports only a live lease, never a stale or expired record.
 - A failed call raises `ProviderError` with the driver's exception as ``__cause__``.
-  Invalid names, durations or metadata raise `ConfigurationError`: the base class checks
-  them before a subclass's method runs.
+  Invalid names, durations, tokens or metadata raise `ConfigurationError`: the base class
+  checks them before a subclass's method runs, so the subclass never checks them again.
+- A lease duration the store cannot hold is declared in `Provider.lease_bounds`.
 - Blocking drivers run in worker threads; nothing blocks the event loop.
 - Every coroutine is cancel-safe: a cancelled call leaves the store consistent.
 """
@@ -26,65 +27,140 @@ from __future__ import annotations
 
 import abc
 import functools
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import Any, Self
 
-from ._names import to_seconds, validate_metadata, validate_name
+import attrs
+
+from ._errors import ConfigurationError
+from ._names import _NAME, to_seconds, validate_metadata, validate_name
 from ._types import LeaderInfo
 
-if TYPE_CHECKING:
-    from ._options import ElectionOptions
-
-__all__ = ["Provider"]
-
-T = TypeVar("T")
+__all__ = ["LeaseBounds", "Provider"]
 
 
-def _validated(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Check and normalise the standard arguments before *method* runs.
+@attrs.frozen(kw_only=True)
+class LeaseBounds:
+    """The lease durations a store can honour, declared by its provider.
 
-    ``group`` and ``participant_id`` must be valid names, ``lease_duration`` becomes float
-    seconds and ``metadata`` a checked plain dict; anything else raises
-    `ConfigurationError` before the store is touched.
+    `LeaderElection` checks its ``lease_duration`` against them when it is built, so a
+    lease the store cannot hold is refused before anything runs. *reason* says why, in
+    the store's words ("Azure Blob leases last 15 to 60 s").
     """
-    signature = inspect.signature(method)
-    checks = {
-        "group": lambda v: validate_name(v, "group"),
-        "participant_id": lambda v: validate_name(v, "participant_id"),
-        "lease_duration": lambda v: to_seconds(v, "lease_duration"),
-        "metadata": validate_metadata,
-    }
-    used = {name: check for name, check in checks.items() if name in signature.parameters}
 
-    @functools.wraps(method)
-    async def wrapper(*args: Any, **kwargs: Any) -> T:
-        bound = signature.bind(*args, **kwargs)
-        for name, check in used.items():
-            if name in bound.arguments:
-                bound.arguments[name] = check(bound.arguments[name])
-        return await method(*bound.args, **bound.kwargs)
+    minimum: float = 0.0
+    maximum: float = math.inf
+    reason: str = ""
 
-    wrapper.__multilock_validated__ = True  # type: ignore[attr-defined]
+    def check(self, lease_duration: float, store: str = "this store") -> None:
+        """Raise `ConfigurationError` if *lease_duration* (seconds) is out of bounds."""
+        if self.minimum <= lease_duration <= self.maximum:
+            return
+        if self.maximum == math.inf:
+            allowed = f"at least {self.minimum:g} s"
+        elif self.minimum <= 0:
+            allowed = f"at most {self.maximum:g} s"
+        else:
+            allowed = f"{self.minimum:g} to {self.maximum:g} s"
+        because = f" ({self.reason})" if self.reason else ""
+        raise ConfigurationError(
+            f"lease_duration={lease_duration:g} s is out of range for {store}: "
+            f"use {allowed}{because}"
+        )
+
+
+def _name(value: Any, field: str) -> str:
+    # The common case (a valid str) costs one regex match; validate_name explains the rest.
+    if isinstance(value, str) and _NAME.fullmatch(value):
+        return value
+    return validate_name(value, field)
+
+
+def _checked(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap interface method *name* so it receives checked, normalised arguments."""
+    if name == "try_acquire":
+
+        async def try_acquire(
+            self: Provider, group: str, participant_id: str, lease_duration: Any, metadata: Any
+        ) -> Any:
+            return await method(
+                self,
+                _name(group, "group"),
+                _name(participant_id, "participant_id"),
+                to_seconds(lease_duration, "lease_duration"),
+                validate_metadata(metadata),
+            )
+
+        wrapper: Callable[..., Any] = try_acquire
+    elif name == "renew":
+
+        async def renew(
+            self: Provider,
+            group: str,
+            participant_id: str,
+            token: int,
+            lease_duration: Any,
+            metadata: Any,
+        ) -> Any:
+            return await method(
+                self,
+                _name(group, "group"),
+                _name(participant_id, "participant_id"),
+                _token(token),
+                to_seconds(lease_duration, "lease_duration"),
+                validate_metadata(metadata),
+            )
+
+        wrapper = renew
+    elif name == "release":
+
+        async def release(self: Provider, group: str, participant_id: str, token: int) -> None:
+            await method(
+                self, _name(group, "group"), _name(participant_id, "participant_id"), _token(token)
+            )
+
+        wrapper = release
+    elif name == "get_leader":
+
+        async def get_leader(self: Provider, group: str) -> Any:
+            return await method(self, _name(group, "group"))
+
+        wrapper = get_leader
+    else:
+
+        def watch(self: Provider, group: str) -> AsyncIterator[None] | None:
+            return method(self, _name(group, "group"))  # type: ignore[no-any-return]
+
+        wrapper = watch
+    functools.update_wrapper(wrapper, method)
+    wrapper.__multilock_checked__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _token(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigurationError(f"token must be a non-negative int, not {value!r}")
+    return value
 
 
 class Provider(abc.ABC):
     """Base class of every backend. Durations are float seconds.
 
     Subclasses get their arguments checked at the boundary: every ``try_acquire``,
-    ``renew``, ``release`` and ``get_leader`` they define is wrapped so that invalid group
-    names, participant ids, durations and metadata raise `ConfigurationError` before the
-    store is touched, and the method receives float seconds and a plain metadata dict.
+    ``renew``, ``release``, ``get_leader`` and ``watch`` they define is wrapped so that
+    invalid group names, participant ids, tokens, durations and metadata raise
+    `ConfigurationError` before the store is touched, and the method receives float
+    seconds and a plain metadata dict it may keep.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name in ("try_acquire", "renew", "release", "get_leader"):
+        for name in ("try_acquire", "renew", "release", "get_leader", "watch"):
             method = cls.__dict__.get(name)
-            if method is not None and not getattr(method, "__multilock_validated__", False):
-                setattr(cls, name, _validated(method))
+            if method is not None and not getattr(method, "__multilock_checked__", False):
+                setattr(cls, name, _checked(name, method))
 
     @abc.abstractmethod
     async def try_acquire(
@@ -140,9 +216,10 @@ class Provider(abc.ABC):
         """
         return 0.0
 
-    def check_options(self, options: ElectionOptions) -> None:
-        """Raise `ConfigurationError` for options this store cannot honour (default: none)."""
-        return
+    @property
+    def lease_bounds(self) -> LeaseBounds:
+        """The lease durations this store can honour (default: any)."""
+        return LeaseBounds()
 
     async def aclose(self) -> None:
         """Release connections and background tasks. Idempotent."""

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 
 from .._errors import ProviderError
-from .._provider import Provider
+from .._provider import LeaseBounds, Provider
 from .._types import LeaderInfo
 
 __all__ = ["Fault", "FaultyProvider"]
@@ -92,6 +92,10 @@ class FaultyProvider(Provider):
     @property
     def notify_delay(self) -> float:
         return self.inner.notify_delay
+
+    @property
+    def lease_bounds(self) -> LeaseBounds:
+        return self.inner.lease_bounds
 
     def watch(self, group: str) -> AsyncIterator[None] | None:
         inner = self.inner.watch(group)

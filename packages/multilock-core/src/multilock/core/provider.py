@@ -1,0 +1,52 @@
+"""The kit for backend authors: everything a provider needs from core, in one public module.
+
+A backend imports only from here (and `multilock.core`'s public names), never from a
+``multilock.core._*`` module::
+
+    from multilock.core.provider import (
+        DriverCalls, LeaderInfo, LeaseBounds, Notifications, Provider, ProviderError,
+    )
+
+- `Provider`: the interface. Its subclasses' methods receive checked arguments (valid
+  names, float seconds, a plain metadata dict, a positive token): never check them again.
+- `LeaseBounds`: declare the lease durations the store can hold (``lease_bounds``).
+- `DriverCalls`: call the driver bounded in time, in a worker thread if it blocks, with
+  its failures turned into secret-free `ProviderError` messages.
+- `Notifications`: one listener (one connection) per provider, fanned out to the watches
+  of every group, waking each also when the lease it saw is due to end.
+- `poll_watch` and `Observed`: the watch of a store that cannot notify.
+- `to_seconds`, `validate_name`, `validate_metadata`: for a provider's own settings
+  (URL options, constructor arguments).
+- `redact_url` and `scrub`: a URL fit for messages, and a message without the URL's
+  secrets.
+- `call_until`: await a coroutine until a deadline on the loop's clock, without waiting
+  for a slow cancellation.
+"""
+
+from ._calls import call_until
+from ._driver import DriverCalls
+from ._errors import ConfigurationError, ProviderError
+from ._names import to_seconds, validate_metadata, validate_name
+from ._provider import LeaseBounds, Provider
+from ._types import LeaderInfo
+from ._url import redact_url, scrub
+from ._watching import EXPIRY_SLACK, Notifications, Observed, poll_watch
+
+__all__ = [
+    "EXPIRY_SLACK",
+    "ConfigurationError",
+    "DriverCalls",
+    "LeaderInfo",
+    "LeaseBounds",
+    "Notifications",
+    "Observed",
+    "Provider",
+    "ProviderError",
+    "call_until",
+    "poll_watch",
+    "redact_url",
+    "scrub",
+    "to_seconds",
+    "validate_metadata",
+    "validate_name",
+]
