@@ -74,7 +74,7 @@ def test_watch_gets_a_checked_group():
     class Watching(Careless):
         def watch(self, group):
             self.seen.append(("watch", group))
-            return None
+            return
 
     provider = Watching()
     with pytest.raises(ConfigurationError, match="group 'a b' is invalid"):

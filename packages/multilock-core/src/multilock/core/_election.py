@@ -113,6 +113,8 @@ class _Campaign:
     watch_alive: bool = False
     #: The last campaign round raised: no notification will say the store is back.
     round_failed: bool = False
+    #: The next round follows a notification (or is the first): it may try at once.
+    notified: bool = True
 
     def mine(self, info: LeaderInfo, participant_id: str) -> bool:
         return info.participant_id == participant_id and info.metadata.get(INSTANCE_KEY) == (
@@ -512,6 +514,10 @@ class LeaderElection:
             term = self._term
             if term is not None:
                 await self._lead(term)
+                # Held off: nothing to look at before the release (ours) or a notification
+                # (a wake-up from the term's time is stale).
+                self._wake.clear()
+                await self._wait_as_follower()
 
     async def _attempt(self) -> tuple[LeaderInfo, float] | None:
         """One campaign round: look, and write only if the group looks free or ours."""
@@ -527,6 +533,10 @@ class LeaderElection:
         bound = self._clock() + self._usable_lease
         campaign.round_failed = False
         try:
+            if campaign.notified and not campaign.in_doubt and not self._holding_off():
+                # No term of ours can be on the store, and a held group answers None and
+                # keeps its lease: try at once, saving a read on every handoff.
+                return await self._acquire(metadata, bound)
             leader = await call_until(provider.get_leader(group), bound)
             if leader is not None:
                 if campaign.mine(leader, me) and leader.token != campaign.lost_token:
@@ -542,18 +552,27 @@ class LeaderElection:
                 return None
             if self._holding_off():
                 return None
-            sent = self._clock()
-            campaign.in_doubt = True
-            acquire = provider.try_acquire(group, me, options.lease_duration, metadata)
-            info = await call_until(acquire, bound)
-            campaign.in_doubt = False
-            if info is None or not campaign.mine(info, me):
-                self._observe(await call_until(provider.get_leader(group), bound))
-                return None
+            return await self._acquire(metadata, bound)
         except Exception as exc:
             self._stats.acquire_failures += 1
             campaign.round_failed = True
             log.warning("campaign round for %s failed: %r", group, exc)
+            return None
+
+    async def _acquire(
+        self, metadata: dict[str, str], bound: float
+    ) -> tuple[LeaderInfo, float] | None:
+        """Try to take the lease; when it is held, look who holds it."""
+        campaign, provider, group = self._campaign, self._provider, self.group
+        sent = self._clock()
+        campaign.in_doubt = True
+        acquire = provider.try_acquire(
+            group, self.participant_id, self._options.lease_duration, metadata
+        )
+        info = await call_until(acquire, bound)
+        campaign.in_doubt = False
+        if info is None or not campaign.mine(info, self.participant_id):
+            self._observe(await call_until(provider.get_leader(group), bound))
             return None
         return info, sent
 
@@ -571,6 +590,9 @@ class LeaderElection:
             interval = 2 * options.lease_duration if quiet else options.retry_interval
             when = self._clock() + _jitter(interval)
         await sleep_until(when, self._wake)
+        # Woken by the store, the group has likely changed hands: the next round tries to
+        # acquire at once. Woken by the timer (the safety net), it only looks first.
+        self._campaign.notified = self._wake.is_set()
         self._wake.clear()
 
     async def _lead(self, term: _Term) -> None:

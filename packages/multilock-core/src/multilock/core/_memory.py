@@ -95,7 +95,6 @@ class InMemoryProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        meta = dict(metadata)
         with self._store.lock:
             now = self._clock()
             lease = self._live(group, now)
@@ -106,7 +105,7 @@ class InMemoryProvider(Provider):
             info = LeaderInfo(
                 participant_id=participant_id,
                 token=token,
-                metadata=meta,
+                metadata=metadata,
                 acquired_at=datetime.now(UTC),
             )
             self._store.leases[group] = _Lease(info, now + lease_duration)
@@ -121,7 +120,6 @@ class InMemoryProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        meta = dict(metadata)
         with self._store.lock:
             now = self._clock()
             lease = self._live(group, now)
@@ -131,8 +129,8 @@ class InMemoryProvider(Provider):
             ):
                 return False
             lease.expires_at = now + lease_duration
-            if meta != lease.info.metadata:
-                lease.info = attrs.evolve(lease.info, metadata=meta)
+            if metadata != lease.info.metadata:
+                lease.info = attrs.evolve(lease.info, metadata=metadata)
         return True
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
@@ -151,11 +149,7 @@ class InMemoryProvider(Provider):
             lease = self._live(group, self._clock())
             return None if lease is None else lease.info
 
-    def watch(self, group: str) -> AsyncIterator[None]:
-        validate_name(group, "group")
-        return self._watch(group)
-
-    async def _watch(self, group: str) -> AsyncIterator[None]:
+    async def watch(self, group: str) -> AsyncIterator[None]:
         event = asyncio.Event()
         watcher = (asyncio.get_running_loop(), event)
         with self._store.lock:
@@ -170,7 +164,9 @@ class InMemoryProvider(Provider):
                     async with asyncio.timeout(expires_in):
                         await event.wait()
                 except TimeoutError:
-                    pass  # the lease we saw is due to expire: wake the follower now
+                    with self._store.lock:
+                        if self._live(group, self._clock()) is lease is not None:
+                            continue  # renewed meanwhile: nothing for the follower to see
                 event.clear()
                 yield None
         finally:
