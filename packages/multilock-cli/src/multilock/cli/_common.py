@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from multilock.core import ConfigurationError, LeaderInfo, Provider, from_url, redact_url
-from multilock.core._url import scrub  # the same scrubbing core applies to driver errors
+from multilock.core.provider import scrub  # the same scrubbing core applies to driver errors
 
 __all__ = [
     "SIGNAL_BASE",

@@ -184,8 +184,11 @@ class Notifications:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout_at(due):
                             await watcher.wake.wait()
-                if watcher.failed is not None:
-                    raise ProviderError(f"{self._name}: the listener broke") from watcher.failed
+                failed = watcher.failed
+                if isinstance(failed, ProviderError):
+                    raise ProviderError(str(failed)) from failed.__cause__
+                if failed is not None:
+                    raise ProviderError(f"{self._name}: the listener broke") from failed
                 notified = watcher.wake.is_set()
                 watcher.wake.clear()
                 left = None if self._expires_in is None else await self._expires_in(group)

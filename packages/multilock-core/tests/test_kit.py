@@ -1,0 +1,322 @@
+"""The backend author's kit (`multilock.core.provider`), in virtual time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+
+from multilock.core.provider import (
+    EXPIRY_SLACK,
+    ConfigurationError,
+    DriverCalls,
+    LeaseBounds,
+    Notifications,
+    Observed,
+    ProviderError,
+    poll_watch,
+)
+from multilock.core.testing import FakeClock
+
+
+def run(body):  # type: ignore[no-untyped-def]
+    clock = FakeClock()
+    return clock.run(body(clock))
+
+
+class Follow:
+    """Consume a watch in a task (as the election does), recording when it yields."""
+
+    def __init__(self, stream: AsyncIterator[None]) -> None:
+        self.stream = stream
+        self.yields: asyncio.Queue[float] = asyncio.Queue()
+        self.task = asyncio.ensure_future(self._consume())
+
+    async def _consume(self) -> None:
+        loop = asyncio.get_running_loop()
+        async for _ in self.stream:
+            self.yields.put_nowait(loop.time())
+
+    async def next(self, within: float) -> float | None:
+        """Loop time of the next yield, or None if the watch stays quiet *within* seconds.
+
+        A watch that raised re-raises here.
+        """
+        getter = asyncio.ensure_future(self.yields.get())
+        done, _ = await asyncio.wait(
+            {getter, self.task}, timeout=within, return_when="FIRST_COMPLETED"
+        )
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        if self.task in done:
+            self.task.result()
+            raise AssertionError("the watch ended")
+        return None
+
+    async def aclose(self) -> None:
+        self.task.cancel()
+        await asyncio.wait({self.task})
+        await self.stream.aclose()  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- poll_watch
+def test_poll_watch_yields_on_change_and_at_the_observed_expiry_not_on_renewals():
+    async def body(clock: FakeClock) -> None:
+        reads: list[float] = []
+        state = {"seen": Observed(holder=("a", 1), version=1, expires_in=10.0)}
+
+        async def read() -> Observed:
+            reads.append(clock.now)
+            return state["seen"]
+
+        start = clock.now
+        stream = Follow(poll_watch(read, poll_interval=1.0))
+        assert await stream.next(0.5) == pytest.approx(start)  # the first read always yields
+        # Renewals: a new version each poll, the same holder: nothing to report.
+        for version in range(2, 6):
+            state["seen"] = Observed(holder=("a", 1), version=version, expires_in=10.0)
+            assert await stream.next(1.0) is None
+        # The holder changes: reported at the next poll.
+        state["seen"] = Observed(holder=("b", 2), version=9, expires_in=3.0)
+        changed_at = await stream.next(1.5)
+        assert changed_at is not None
+        assert changed_at - start == pytest.approx(5.0)
+        # No renewal from b: the watch wakes just after its lease ends, though polls are slow.
+        state["seen"] = Observed(holder=("b", 2), version=9, expires_in=3.0)
+        await stream.aclose()
+        reads.clear()
+        stream = Follow(poll_watch(read, poll_interval=60.0))
+        first = await stream.next(1.0)
+        assert first is not None
+        ended = await stream.next(10.0)
+        assert ended == pytest.approx(first + 3.0 + EXPIRY_SLACK)
+        # Still the same expired version in the store: every poll reports it again.
+        again = await stream.next(61.0)
+        assert again == pytest.approx(ended + 60.0)
+        await stream.aclose()
+
+    run(body)
+
+
+def test_poll_watch_skips_reads_while_the_cheap_probe_sees_no_change():
+    async def body(clock: FakeClock) -> None:
+        reads = 0
+        probe_says = {"changed": False}
+
+        async def read() -> Observed:
+            nonlocal reads
+            reads += 1
+            return Observed(holder=("a", reads), version=reads)
+
+        async def changed() -> bool:
+            return probe_says["changed"]
+
+        stream = Follow(poll_watch(read, poll_interval=1.0, changed=changed))
+        assert await stream.next(0.5) is not None
+        assert await stream.next(5.5) is None
+        assert reads == 1
+        probe_says["changed"] = True
+        assert await stream.next(1.5) is not None
+        await stream.aclose()
+
+    run(body)
+
+
+# --------------------------------------------------------------------------- Notifications
+class FakeStore:
+    """A notifying store: its listener counts connections, leases have remaining times."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.opened = 0
+        self.feed: asyncio.Queue[str | BaseException] = asyncio.Queue()
+        self.leases: dict[str, float] = {}  # group -> loop time the lease ends
+        self.reads = 0
+
+    async def listen(self, notifications: Notifications) -> None:
+        self.connections += 1
+        self.opened += 1
+        try:
+            notifications.ready()
+            while True:
+                item = await self.feed.get()
+                if isinstance(item, BaseException):
+                    raise item
+                notifications.notify(item)
+        finally:
+            self.connections -= 1
+
+    async def expires_in(self, group: str) -> float | None:
+        self.reads += 1
+        end = self.leases.get(group)
+        left = None if end is None else end - asyncio.get_running_loop().time()
+        return None if left is None or left <= 0 else left
+
+
+def test_one_listener_serves_every_watch_and_stops_with_the_last():
+    async def body(clock: FakeClock) -> None:
+        store = FakeStore()
+        hub = Notifications(store.listen, name="fake", expires_in=store.expires_in)
+        streams = {g: [Follow(hub.watch(g)) for _ in range(3)] for g in ("a", "b", "c")}
+        for group_streams in streams.values():
+            for stream in group_streams:
+                assert await stream.next(0.1) is not None  # subscribed: first yield
+        assert store.connections == 1
+        assert store.opened == 1
+        assert hub.groups == {"a", "b", "c"}
+        assert hub.listening
+        store.feed.put_nowait("b")
+        for group, group_streams in streams.items():
+            for stream in group_streams:
+                woke = await stream.next(0.1)
+                assert (woke is not None) == (group == "b"), group
+        for group_streams in streams.values():
+            for stream in group_streams:
+                await stream.aclose()
+        await asyncio.sleep(0)
+        assert store.connections == 0
+        assert not hub.listening
+        assert hub.groups == frozenset()
+        again = Follow(hub.watch("a"))
+        assert await again.next(0.1) is not None
+        assert store.opened == 2
+        await again.aclose()
+        await hub.aclose()
+
+    run(body)
+
+
+def test_a_watch_wakes_when_the_lease_it_saw_ends_but_not_when_it_was_renewed():
+    async def body(clock: FakeClock) -> None:
+        store = FakeStore()
+        loop = asyncio.get_running_loop()
+        store.leases["g"] = loop.time() + 10.0
+        hub = Notifications(store.listen, name="fake", expires_in=store.expires_in)
+        stream = Follow(hub.watch("g"))
+        start = await stream.next(0.1)
+        assert start is not None
+
+        async def renew_every(seconds: float, times: int) -> None:
+            for _ in range(times):
+                await asyncio.sleep(seconds)
+                store.leases["g"] = loop.time() + 10.0
+
+        renewer = asyncio.ensure_future(renew_every(3.0, 5))  # renewed until start + 15
+        ended = await stream.next(60.0)
+        await renewer
+        assert ended == pytest.approx(start + 25.0 + EXPIRY_SLACK)
+        await stream.aclose()
+        await hub.aclose()
+
+    run(body)
+
+
+def test_a_broken_listener_breaks_every_watch_and_the_next_watch_reconnects():
+    async def body(clock: FakeClock) -> None:
+        store = FakeStore()
+        hub = Notifications(store.listen, name="fake")
+        streams = [Follow(hub.watch("a")), Follow(hub.watch("b"))]
+        for stream in streams:
+            assert await stream.next(0.1) is not None
+        store.feed.put_nowait(ConnectionResetError("gone"))
+        for stream in streams:
+            with pytest.raises(ProviderError, match="the listener broke") as info:
+                await stream.next(1.0)
+            assert isinstance(info.value.__cause__, ConnectionResetError)
+        fresh = Follow(hub.watch("a"))
+        assert await fresh.next(0.1) is not None
+        assert store.opened == 2
+        assert store.connections == 1
+        await hub.aclose()
+        with pytest.raises(ProviderError, match="closed"):
+            await fresh.next(1.0)
+        with pytest.raises(ProviderError, match="closed"):
+            hub.watch("a")
+        assert store.connections == 0
+
+    run(body)
+
+
+# --------------------------------------------------------------------------- DriverCalls
+def test_driver_errors_name_the_store_and_keep_no_secret():
+    async def body(clock: FakeClock) -> None:
+        calls = DriverCalls(
+            "redis", "redis://:***@db:6379", timeout=2.0, failures=(OSError,), secrets=["hunter2"]
+        )
+
+        async def leaky() -> None:
+            raise OSError("auth failed for password hunter2")
+
+        with pytest.raises(ProviderError) as info:
+            await calls.call("renew", leaky())
+        text = str(info.value)
+        assert text == "redis renew failed on redis://:***@db:6379: auth failed for password ***"
+        assert info.value.__cause__ is None  # the driver's error held the secret
+
+        async def plain() -> None:
+            raise OSError("connection refused")
+
+        with pytest.raises(ProviderError) as info:
+            await calls.call("get_leader", plain())
+        assert isinstance(info.value.__cause__, OSError)
+
+        async def hangs() -> None:
+            await asyncio.sleep(100)
+
+        with pytest.raises(ProviderError, match=r"redis acquire failed .*no answer within 2 s"):
+            await calls.call("acquire", hangs())
+
+        async def bug() -> None:
+            raise KeyError("not a driver failure")
+
+        with pytest.raises(KeyError):
+            await calls.call("renew", bug())
+        calls.closed = True
+        with pytest.raises(ProviderError, match="closed"):
+            await calls.call("renew", plain())
+
+    run(body)
+
+
+async def test_a_cancelled_blocking_call_returns_only_once_the_thread_is_done():
+    calls = DriverCalls("s3", "http://s3", timeout=5.0)
+    started, release = threading.Event(), threading.Event()
+    finished: list[str] = []
+
+    def write() -> str:
+        started.set()
+        release.wait(5)
+        finished.append("written")
+        return "ok"
+
+    task = asyncio.ensure_future(calls.blocking("put", write))
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # still waiting for the thread, not returning half-way
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == ["written"]
+    assert await calls.blocking("get", lambda: 42) == 42
+
+
+# --------------------------------------------------------------------------- LeaseBounds
+def test_lease_bounds_say_what_is_allowed_and_why():
+    azure = LeaseBounds(minimum=15, maximum=60, reason="Azure Blob leases last 15 to 60 s")
+    azure.check(15)
+    azure.check(60)
+    with pytest.raises(ConfigurationError) as info:
+        azure.check(5, "AzureBlobProvider")
+    assert str(info.value) == (
+        "lease_duration=5 s is out of range for AzureBlobProvider: use 15 to 60 s "
+        "(Azure Blob leases last 15 to 60 s)"
+    )
+    with pytest.raises(ConfigurationError, match=r"use at least 2 s$"):
+        LeaseBounds(minimum=2).check(1)
+    with pytest.raises(ConfigurationError, match="use at most 30 s"):
+        LeaseBounds(maximum=30).check(31)
+    LeaseBounds().check(0.001)
