@@ -139,8 +139,11 @@ class BlockingPortal:
         (KeyboardInterrupt), cancel the task and give it `cancel_grace` seconds to end
         before re-raising. Raise `RuntimeError` when called from the loop thread.
         """
-        future, ended = self._spawn(fn, args, blocking=True)
+        future, ended, submit = self._spawn(fn, args, blocking=True)
         try:
+            # Submitted inside the try: a Ctrl-C that lands just after the task is
+            # scheduled, before the wait, still cancels it.
+            submit()
             return future.result()
         except BaseException:
             if future.cancel():  # interrupted while the task runs: stop it first
@@ -153,12 +156,14 @@ class BlockingPortal:
         Never blocks, so it also works on the loop thread. Cancelling the future cancels
         the task.
         """
-        return self._spawn(fn, args, blocking=False)[0]
+        future, _, submit = self._spawn(fn, args, blocking=False)
+        submit()
+        return future
 
     def _spawn(
         self, fn: AsyncCall[T], args: tuple[Any, ...], *, blocking: bool
-    ) -> tuple[concurrent.futures.Future[T], threading.Event]:
-        """Schedule the task; return its future and an event set once the task has ended."""
+    ) -> tuple[concurrent.futures.Future[T], threading.Event, Callable[[], None]]:
+        """Prepare the task: its future, an event set once it has ended, and its submit."""
         try:
             if blocking:
                 self.check_thread()
@@ -202,12 +207,14 @@ class BlockingPortal:
 
             future.add_done_callback(cancel_task)
 
-        try:
-            loop.call_soon_threadsafe(start)
-        except RuntimeError:  # the loop closed meanwhile
-            coro.close()
-            raise MultilockError("multilock's event loop is closed") from None
-        return future, ended
+        def submit() -> None:
+            try:
+                loop.call_soon_threadsafe(start)
+            except RuntimeError:  # the loop closed meanwhile
+                coro.close()
+                raise MultilockError("multilock's event loop is closed") from None
+
+        return future, ended, submit
 
     def close(self) -> None:
         """Release the loop thread; the last portal of a factory's loop ends it. Idempotent."""
