@@ -584,10 +584,10 @@ def test_idle_follower_with_notifications_costs_one_read_per_two_leases():
         await a.wait_until_leader()
         await b.start()
         await asyncio.sleep(LEASE * 30)
-        # The first round tries to acquire at once (one try and one look); then the watch
+        # The first rounds try to acquire at once (a try and a look each); then the watch
         # sleeps through the leader's renewals, and only the safety net (a look every two
         # leases, jittered down by up to a quarter) reads.
-        assert counted.calls["try_acquire"] == 1
+        assert counted.calls["try_acquire"] <= 2  # the first round, and the watch's first yield
         assert counted.calls["get_leader"] <= 1 + 30 / (2 * 0.75) + 1, counted.calls
 
     run(body)

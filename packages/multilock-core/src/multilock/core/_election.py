@@ -581,6 +581,8 @@ class LeaderElection:
 
     async def _wait_as_follower(self) -> None:
         options = self._options
+        if self._campaign.round_failed:
+            self._wake.clear()  # a wake-up from before a failed round is stale: back off
         if self._holding_off():
             when = self._campaign.holdoff_until  # the watch may show another leader sooner
         else:

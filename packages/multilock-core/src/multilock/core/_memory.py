@@ -155,6 +155,7 @@ class InMemoryProvider(Provider):
         with self._store.lock:
             self._store.watchers.setdefault(group, set()).add(watcher)
         try:
+            yield None  # watching: no later change can be missed
             while True:
                 with self._store.lock:
                     now = self._clock()

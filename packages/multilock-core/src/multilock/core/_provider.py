@@ -198,8 +198,10 @@ class Provider(abc.ABC):
     def watch(self, group: str) -> AsyncIterator[None] | None:
         """Return an iterator that yields whenever the group's leader may have changed.
 
-        It yields on release, on acquisition, and when the observed lease is due to expire,
-        so that followers do not poll. Return None (the default) when the store cannot
+        It yields once as soon as it is watching (no later change can be missed), then on
+        release, on acquisition, and when the observed lease is due to expire without a
+        renewal, so that followers do not poll. The kit's `Notifications` and `poll_watch`
+        behave so. Return None (the default) when the store cannot
         notify: the core then polls at ``retry_interval``. The iterator may yield spuriously;
         it raises `ProviderError` if it breaks, and the core falls back to polling and
         calls ``watch`` again later.

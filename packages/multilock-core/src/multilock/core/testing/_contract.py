@@ -370,16 +370,19 @@ async def check_watch_wakes_on_release(ctx: _Ctx) -> None:
     info = await p.try_acquire(group, "p1", ctx.lease * 20, {})
     assert info is not None, "try_acquire on a free group failed"
     woke = asyncio.Event()
+    watching = asyncio.Event()
 
     async def follow() -> None:
         async for _ in watch:
-            if await q.get_leader(group) is None:
+            if not watching.is_set():
+                watching.set()  # the first yield: subscribed, no later change is missed
+            elif await q.get_leader(group) is None:
                 woke.set()
                 return
 
     follower = asyncio.ensure_future(follow())
     try:
-        await asyncio.sleep(ctx.lease * 0.2)  # let the watch subscribe
+        await _within(watching, max(2.0, ctx.lease), "the watch never yielded its first time")
         await p.release(group, "p1", info.token)
         try:
             async with asyncio.timeout(max(2.0, ctx.lease)):
@@ -393,6 +396,66 @@ async def check_watch_wakes_on_release(ctx: _Ctx) -> None:
         aclose = getattr(watch, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def _within(event: asyncio.Event, seconds: float, failure: str) -> None:
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        raise AssertionError(failure) from None
+
+
+async def check_one_provider_watches_many_groups(ctx: _Ctx) -> None:
+    """Watches of many groups (two per group) on one provider each see their own group."""
+    p, q = await ctx.provider(), await ctx.provider()
+    groups = [ctx.group() for _ in range(10)]
+    if q.watch(groups[0]) is None:
+        return  # a polling backend with no watch
+    terms = {}
+    for group in groups:
+        info = await p.try_acquire(group, "p1", ctx.lease * 20, {})
+        assert info is not None, "try_acquire on a free group failed"
+        terms[group] = info
+    released = {groups[2], groups[7]}
+    streams = [(group, q.watch(group)) for group in groups for _ in range(2)]
+    ready = [asyncio.Event() for _ in streams]
+    woke = [asyncio.Event() for _ in streams]
+
+    async def follow(i: int) -> None:
+        group, stream = streams[i]
+        assert stream is not None
+        async for _ in stream:
+            if not ready[i].is_set():
+                ready[i].set()
+            elif await q.get_leader(group) is None:
+                woke[i].set()
+                return
+
+    followers = [asyncio.ensure_future(follow(i)) for i in range(len(streams))]
+    try:
+        limit = max(2.0, ctx.lease)
+        for event in ready:
+            await _within(event, limit, "a watch never yielded its first time")
+        for group in released:
+            await p.release(group, "p1", terms[group].token)
+        for i, (group, _) in enumerate(streams):
+            if group in released:
+                await _within(woke[i], limit, f"a watch of {group} missed its release")
+        _expect(
+            not any(woke[i].is_set() for i, (g, _) in enumerate(streams) if g not in released),
+            "a watch reported a group free while it was held",
+        )
+    finally:
+        for task in followers:
+            task.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+        for _, stream in streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        for group in set(groups) - released:
+            await p.release(group, "p1", terms[group].token)
 
 
 async def check_aclose_is_idempotent(ctx: _Ctx) -> None:
@@ -417,6 +480,7 @@ PROVIDER_CHECKS: dict[str, Callable[[_Ctx], Awaitable[None]]] = {
         check_metadata_round_trip_and_limits,
         check_cancelled_acquire_leaves_store_consistent,
         check_watch_wakes_on_release,
+        check_one_provider_watches_many_groups,
         check_aclose_is_idempotent,
     ]
 }
