@@ -320,3 +320,53 @@ def test_lease_bounds_say_what_is_allowed_and_why():
     with pytest.raises(ConfigurationError, match="use at most 30 s"):
         LeaseBounds(maximum=30).check(31)
     LeaseBounds().check(0.001)
+
+
+def test_watches_woken_together_share_one_expiry_read_and_yield_before_it():
+    async def body(clock: FakeClock) -> None:
+        store = FakeStore()
+        loop = asyncio.get_running_loop()
+        store.leases["g"] = loop.time() + 10.0
+        gates = [asyncio.Event(), asyncio.Event()]
+        slow_reads = 0
+
+        async def slow_expires_in(group: str) -> float | None:
+            nonlocal slow_reads
+            slow_reads += 1
+            await gates[slow_reads - 1].wait()  # a store that takes its time to answer
+            return await store.expires_in(group)
+
+        hub = Notifications(store.listen, name="fake", expires_in=slow_expires_in)
+        streams = [Follow(hub.watch("g")) for _ in range(20)]
+        for stream in streams:
+            assert await stream.next(0.1) is not None
+        assert slow_reads == 1  # twenty watches woken together: one read in flight
+        gates[0].set()
+        await asyncio.sleep(0.01)
+        store.feed.put_nowait("g")
+        for stream in streams:  # yielded while the read that follows still hangs
+            assert await stream.next(0.1) is not None
+        assert slow_reads == 2
+        gates[1].set()
+        for stream in streams:
+            await stream.aclose()
+        await hub.aclose()
+
+    run(body)
+
+
+def test_driver_calls_cut_the_url_secrets():
+    async def body(clock: FakeClock) -> None:
+        url = "redis://user:s3cret@db:6379/0?ssl_password=k3y"
+        calls = DriverCalls("redis", "redis://user:***@db:6379/0", timeout=1.0, url=url)
+
+        async def leaky() -> None:
+            raise OSError(f"cannot log in to {url}")
+
+        with pytest.raises(ProviderError) as info:
+            await calls.call("renew", leaky())
+        assert "s3cret" not in str(info.value)
+        assert "k3y" not in str(info.value)
+        assert info.value.__cause__ is None
+
+    run(body)

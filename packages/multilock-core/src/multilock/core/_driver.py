@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, NoReturn, TypeVar
 
 from ._errors import ProviderError
+from ._url import secrets_of
 
 __all__ = ["DriverCalls"]
 
@@ -28,8 +29,9 @@ class DriverCalls:
     *store* names the backend and *where* the server (a redacted URL or ``host:port``) in
     every message. *timeout* bounds each call. *failures* are the driver's exception types
     that mean "this call failed" (anything else is a bug and propagates as is). *secrets*
-    (passwords, keys) are cut from every message; a driver error whose text or chain holds
-    one is not chained either, so no secret travels in ``__cause__``.
+    (passwords, keys), and those of *url* (its password and secret query values), are cut
+    from every message; a driver error whose text or chain holds one is not chained
+    either, so no secret travels in ``__cause__``.
     """
 
     def __init__(
@@ -40,12 +42,14 @@ class DriverCalls:
         timeout: float,
         failures: tuple[type[BaseException], ...] = (OSError,),
         secrets: Iterable[str] = (),
+        url: str | None = None,
     ) -> None:
         self.store = store
         self.where = where
         self.timeout = timeout
         self.failures: tuple[type[BaseException], ...] = (*failures, TimeoutError)
-        self._secrets = sorted({s for s in secrets if s}, key=len, reverse=True)
+        found = [*secrets, *(secrets_of(url) if url is not None else ())]
+        self._secrets = sorted({s for s in found if s}, key=len, reverse=True)
         self.closed = False
 
     def __repr__(self) -> str:

@@ -90,7 +90,7 @@ def redact_url(url: str) -> str:
         return "<unparseable URL>"
 
 
-def _secrets_of(url: str) -> list[str]:
+def secrets_of(url: str) -> list[str]:
     """The raw secret substrings of *url*, to scrub from driver error messages."""
     found: list[str] = []
     try:
@@ -107,7 +107,7 @@ def _secrets_of(url: str) -> list[str]:
 
 def scrub(text: str, url: str) -> str:
     """Remove every secret of *url* from *text*."""
-    for secret in _secrets_of(url):
+    for secret in secrets_of(url):
         text = text.replace(secret, _REDACTED)
     return text
 

@@ -130,6 +130,7 @@ class Notifications:
         self._count = 0
         self._task: asyncio.Task[None] | None = None
         self._stopping: set[asyncio.Task[None]] = set()
+        self._reading: dict[str, asyncio.Future[float | None]] = {}
         self._ready = False
         self._closed = False
 
@@ -189,14 +190,16 @@ class Notifications:
                     raise ProviderError(str(failed)) from failed.__cause__
                 if failed is not None:
                     raise ProviderError(f"{self._name}: the listener broke") from failed
-                notified = watcher.wake.is_set()
-                watcher.wake.clear()
-                left = None if self._expires_in is None else await self._expires_in(group)
-                loop = asyncio.get_running_loop()
-                due = None if left is None else loop.time() + max(0.0, left) + EXPIRY_SLACK
-                if notified or left is None:
-                    # On a timer wake, a lease still there was renewed: sleep on.
-                    yield None
+                if watcher.wake.is_set():
+                    watcher.wake.clear()
+                    yield None  # first: the follower's round does not wait for the read
+                    left = await self._left(group)
+                else:  # the timer: the lease this watch saw is due to end
+                    left = await self._left(group)
+                    if left is None:
+                        yield None
+                    # Otherwise it was renewed: sleep on until the new end.
+                due = None if left is None else asyncio.get_running_loop().time() + left
         finally:
             watchers = self._watchers.get(group)
             if watchers is not None:
@@ -209,6 +212,21 @@ class Notifications:
                 task.cancel()  # it closes its connection as it ends; aclose() waits for it
                 self._stopping.add(task)
                 task.add_done_callback(self._stopping.discard)
+
+    async def _left(self, group: str) -> float | None:
+        """Seconds until *group*'s lease ends plus `EXPIRY_SLACK` (None: no lease).
+
+        One read per group at a time: the watches woken together share it.
+        """
+        if self._expires_in is None:
+            return None
+        reading = self._reading.get(group)
+        if reading is None:
+            reading = asyncio.ensure_future(self._expires_in(group))
+            self._reading[group] = reading
+            reading.add_done_callback(lambda _: self._reading.pop(group, None))
+        left = await asyncio.shield(reading)
+        return None if left is None else max(0.0, left) + EXPIRY_SLACK
 
     async def _run(self) -> None:
         try:
