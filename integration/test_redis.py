@@ -25,6 +25,7 @@ from harness import BaseServer, Server, require_control
 from multilock.core import ProviderError
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
 from multilock.redis import RedisProvider, RedlockProvider
+from multilock.redis._config import DEFAULT_MAX_CONNECTIONS
 
 LEASE = 1.0
 CHECKS = list(PROVIDER_CHECKS)
@@ -496,8 +497,9 @@ async def test_watch_wakes_on_a_new_term_and_on_release(
     g = group()
     watch = provider.watch(g)
     try:
+        await next_wake(watch, 2.0)  # subscribed
         wake = asyncio.ensure_future(anext(watch))
-        await asyncio.sleep(0.2)  # let it subscribe
+        await asyncio.sleep(0.2)
         assert not wake.done(), "woke with nothing to report"
         info = await provider.try_acquire(g, "p1", 30.0, {})
         assert info is not None
@@ -515,28 +517,24 @@ async def test_watch_wakes_on_a_new_term_and_on_release(
 async def test_closing_the_watch_unsubscribes(
     request: pytest.FixtureRequest, provider: RedisProvider | RedlockProvider
 ) -> None:
-    g = group()
-    channel = f"multilock:{{{g}}}:changed"
     clients = [Redis.from_url(s.url) for s in servers_of(request, provider)]
 
-    async def subscribers() -> list[int]:
-        return [(await c.pubsub_numsub(channel))[0][1] for c in clients]
+    async def patterns() -> list[int]:
+        return [await c.pubsub_numpat() for c in clients]
 
     try:
-        watch = provider.watch(g)
-        wake = asyncio.ensure_future(anext(watch))
+        before = await patterns()
+        watch = provider.watch(group())
+        await next_wake(watch, 2.0)
 
         async def subscribed() -> bool:
-            return await subscribers() == [1] * len(clients)
+            return await patterns() == [n + 1 for n in before]
 
         await wait_for("the watch to subscribe", subscribed, 2.0)
-        wake.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-            await wake
         await watch.aclose()  # type: ignore[attr-defined]
 
         async def unsubscribed() -> bool:
-            return await subscribers() == [0] * len(clients)
+            return await patterns() == before
 
         await wait_for("the watch to unsubscribe", unsubscribed, 2.0)
     finally:
@@ -556,16 +554,103 @@ async def test_a_broken_subscription_raises_provider_error(redis_server: BaseSer
     require_control(redis_server)
     async with RedisProvider(redis_server.url) as p:
         watch = p.watch(group())
+        await next_wake(watch, 2.0)
         wake = asyncio.ensure_future(anext(watch))
-        await asyncio.sleep(0.2)
         try:
             with stopped(redis_server):
                 started = time.monotonic()
-                with pytest.raises(ProviderError, match="subscription"):
+                # The listener breaks, or the lease read that follows a wake-up fails first.
+                with pytest.raises(ProviderError, match=r"subscription|listener|pttl failed"):
                     await drain(wake, watch)
                 assert time.monotonic() - started < 2.0
         finally:
             await watch.aclose()  # type: ignore[attr-defined]
+
+
+# -- one provider, many elections: a constant number of connections ----------------------------
+
+
+def named(url: str, name: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}client_name={name}"
+
+
+async def connections(client: Redis, name: str) -> tuple[int, int]:
+    """The server's connections named *name*: all of them, and those subscribed."""
+    mine = [c for c in await client.client_list() if c.get("name") == name]
+    return len(mine), sum(1 for c in mine if int(c["sub"]) + int(c["psub"]) > 0)
+
+
+@pytest.mark.parametrize("kind", ["redis", "redlock"])
+async def test_watches_of_many_groups_share_one_connection_per_server(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """55 watches (50 groups, 5 more on one) use one subscription per server; a release
+    wakes the watches of its group, a renewal wakes none."""
+    servers: list[BaseServer] = (
+        [request.getfixturevalue("redis_server")]
+        if kind == "redis"
+        else request.getfixturevalue("redis_servers")
+    )
+    name = f"watch-{uuid.uuid4().hex[:8]}"
+    urls = [named(s.url, name) for s in servers]
+    watcher = RedisProvider(urls[0]) if kind == "redis" else RedlockProvider(urls)
+    other = (
+        RedisProvider(servers[0].url)
+        if kind == "redis"
+        else RedlockProvider([s.url for s in servers])
+    )
+    admins = [Redis.from_url(s.url, decode_responses=True) for s in servers]
+    groups = [group() for _ in range(50)]
+    held, quiet = groups[0], groups[1]
+    watches: list[AsyncIterator[None]] = []
+    woken: list[asyncio.Future[None]] = []
+    try:
+        info = await other.try_acquire(held, "p1", 30.0, {})
+        assert info is not None
+        for g in [*groups, *[held] * 5]:
+            watches.append(watcher.watch(g))
+        async with asyncio.timeout(5.0):  # every watch subscribed and made its first read
+            await asyncio.gather(*(anext(w) for w in watches))
+        for admin in admins:
+            total, subscribed = await connections(admin, name)
+            assert subscribed == 1, f"{subscribed} subscribed connections for 55 watches"
+            assert total <= 1 + DEFAULT_MAX_CONNECTIONS, f"{total} connections"
+        of_held = [w for g, w in zip([*groups, *[held] * 5], watches, strict=True) if g == held]
+        woken += [asyncio.ensure_future(anext(w)) for w in of_held]
+        assert await other.renew(held, "p1", info.token, 30.0, {})
+        # The messages of one connection arrive in order: once a later release of another
+        # group has woken its watch, a message of the renewal would have arrived too.
+        quiet_info = await other.try_acquire(quiet, "p1", 30.0, {})
+        assert quiet_info is not None
+        await next_wake(watches[1], 2.0)
+        await asyncio.sleep(0.1)
+        assert not any(t.done() for t in woken), "a renewal woke a watch"
+        await other.release(held, "p1", info.token)
+        async with asyncio.timeout(2.0):
+            await asyncio.gather(*woken)
+    finally:
+        for task in woken:
+            task.cancel()
+        await asyncio.gather(*woken, return_exceptions=True)
+        for w in watches:
+            await w.aclose()  # type: ignore[attr-defined]
+        await watcher.aclose()
+        await other.aclose()
+        for admin in admins:
+            await admin.aclose()
+
+
+async def test_many_concurrent_calls_share_a_bounded_pool(redis_server: BaseServer) -> None:
+    name = f"pool-{uuid.uuid4().hex[:8]}"
+    admin = Redis.from_url(redis_server.url, decode_responses=True)
+    async with RedisProvider(named(redis_server.url, name)) as p:
+        try:
+            calls = [p.get_leader(group()) for _ in range(300)]
+            assert await asyncio.gather(*calls) == [None] * 300
+            total, _ = await connections(admin, name)
+            assert 0 < total <= DEFAULT_MAX_CONNECTIONS
+        finally:
+            await admin.aclose()
 
 
 # -- dead and frozen servers, clients ----------------------------------------------------------

@@ -7,11 +7,13 @@ import time
 from datetime import timedelta
 
 import pytest
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from multilock.core import ConfigurationError, ProviderError, from_url
 from multilock.redis import RedisProvider, RedlockProvider
+from multilock.redis._config import DEFAULT_MAX_CONNECTIONS, DEFAULT_SOCKET_TIMEOUT
 from multilock.redis._provider import lease_ms
+from multilock.redis._scripts import channel_name, channel_pattern
 
 SECRET = "s3cr%40t!pw"  # percent-encoded "s3cr@t!pw"
 RAW_SECRET = "s3cr@t!pw"
@@ -151,9 +153,43 @@ def test_lease_is_rounded_up_to_whole_milliseconds() -> None:
     assert lease_ms(1.0) == 1000
     assert lease_ms(0.0011) == 2
     assert lease_ms(0.0001) == 1
-    assert lease_ms(timedelta(seconds=15)) == 15000
-    with pytest.raises(ConfigurationError):
-        lease_ms(0)
+    assert lease_ms(15.0) == 15000
+
+
+def test_a_built_client_has_a_bounded_blocking_pool() -> None:
+    pool = RedisProvider("redis://localhost:6379/0")._node.client.connection_pool
+    assert isinstance(pool, BlockingConnectionPool)
+    assert pool.max_connections == DEFAULT_MAX_CONNECTIONS
+    assert pool.timeout == 2 * DEFAULT_SOCKET_TIMEOUT  # connect + command
+    wider = RedisProvider("redis://localhost:6379/0?max_connections=50&socket_timeout=0.5")
+    pool = wider._node.client.connection_pool
+    assert (pool.max_connections, pool.timeout) == (50, 1.0)  # type: ignore[attr-defined]
+    for node in RedlockProvider("redlock://h1,h2,h3/0")._nodes:
+        assert isinstance(node.client.connection_pool, BlockingConnectionPool)
+
+
+def test_the_pattern_escapes_the_prefix_and_messages_name_their_group() -> None:
+    assert channel_name("multilock:", "g") == "multilock:{g}:changed"
+    assert channel_pattern("multilock:") == "multilock:{*}:changed"
+    assert channel_pattern("a*b?[c]") == r"a\*b\?\[c\]{*}:changed"
+    node = RedisProvider("redis://localhost:6379/0", key_prefix="p*:")._node
+    assert node._remember(b"p*:{g-1}:changed", b"released") == "g-1"
+    assert node._hints == {"g-1": None}
+    assert node._remember("p*:{}:changed", "released") is None
+
+
+async def test_a_message_answers_the_watch_without_a_round_trip() -> None:
+    node = RedisProvider(f"redis://127.0.0.1:{closed_port()}/0")._node
+    node._remember("multilock:{g}:changed", "acquired 60000")
+    left = await node.expires_in("g")
+    assert left is not None
+    assert 59 < left <= 60
+    node._remember("multilock:{g}:changed", "released")
+    assert await node.expires_in("g") is None
+    node._remember("multilock:{g}:changed", "acquired")  # an older writer: ask the server
+    with pytest.raises(ProviderError, match="pttl"):
+        await node.expires_in("g")
+    await node.aclose()
 
 
 # -- Redlock and Sentinel URLs ------------------------------------------------------------

@@ -11,16 +11,16 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import attrs
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from multilock.core import ConfigurationError, redact_url
-from multilock.core._names import to_seconds
+from multilock.core.provider import ConfigurationError, redact_url, to_seconds
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
+    "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_SOCKET_TIMEOUT",
     "Settings",
     "client_from_url",
@@ -32,6 +32,9 @@ __all__ = [
 
 DEFAULT_KEY_PREFIX = "multilock:"
 DEFAULT_SOCKET_TIMEOUT = 2.0
+#: Connections of a client this package builds (one of them listens while a watch is open);
+#: more calls than that wait for a free one. ``?max_connections=`` in the URL changes it.
+DEFAULT_MAX_CONNECTIONS = 10
 #: Options of ours that a URL may carry in its query string (redis-py gets the rest).
 OWN_QUERY_KEYS = ("key_prefix", "socket_timeout", "socket_connect_timeout", "node_timeout")
 _PREFIX = re.compile(r"[!-z|~]{0,200}")  # printable ASCII without spaces, '{' and '}'
@@ -172,9 +175,18 @@ def client_from_url(url: str, settings: Settings) -> Redis:
     """Build a client for one ``redis://`` or ``rediss://`` URL (query options go to redis-py)."""
     check_url(url)
     try:
-        client: Redis = Redis.from_url(url, **settings.client_kwargs())
-        pool = client.connection_pool
+        # A bounded pool that waits for a free connection, so a thousand elections on one
+        # provider share a few connections instead of failing with MaxConnectionsError or
+        # opening one each. The wait is bounded like the call it is part of (the URL's
+        # ``timeout=`` and ``max_connections=`` win).
+        pool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=DEFAULT_MAX_CONNECTIONS,
+            timeout=settings.connect_timeout + settings.socket_timeout,
+            **settings.client_kwargs(),
+        )
         pool.connection_class(**pool.connection_kwargs)  # unknown options fail here, not later
+        client: Redis = Redis.from_pool(pool)
     except (ValueError, TypeError) as exc:
         # redis-py names the offending option, never its value.
         raise ConfigurationError(f"invalid URL {redact_url(url)}: {exc}") from None

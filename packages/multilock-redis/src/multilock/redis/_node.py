@@ -1,37 +1,42 @@
 """`Node`: one Redis server as both providers use it.
 
-Every call is bounded by a timeout (cancelling a redis-py call drops its connection, so
-nothing half-read is reused) and every failure becomes `ProviderError` with the driver's
-exception as ``__cause__`` and no credential in its message.
+Every call goes through `DriverCalls`: bounded by a timeout (cancelling a redis-py call
+drops its connection, so nothing half-read is reused), and every failure becomes
+`ProviderError` with no credential in its message or chain. The node's listener watches
+every group on one pub/sub connection (a pattern subscription), and remembers from each
+message when the group's lease ends, so a woken watch need not ask the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+import math
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import attrs
 from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
-from multilock.core import LeaderInfo, ProviderError, redact_url
-from multilock.core._url import scrub
+from multilock.core.provider import DriverCalls, LeaderInfo, ProviderError, redact_url, scrub
 
 from . import _scripts
 from ._config import Settings, client_from_url, sentinel_client
 
-__all__ = ["Granted", "Node", "close_pubsub", "encode_metadata"]
+__all__ = ["Granted", "Node", "encode_metadata", "lease_ms"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: Groups whose last message a node remembers; past that it forgets them all (a hint only
+#: saves a PTTL read).
+_MAX_HINTS = 4096
+_UNKNOWN = object()
 
 
 def _text(value: Any) -> str:
@@ -42,8 +47,13 @@ def _time(microseconds: Any) -> datetime:
     return _EPOCH + timedelta(microseconds=int(_text(microseconds)))
 
 
-def encode_metadata(metadata: dict[str, str]) -> str:
-    return json.dumps(metadata, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+def encode_metadata(metadata: Mapping[str, str]) -> str:
+    return json.dumps(dict(metadata), ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def lease_ms(lease_duration: float) -> int:
+    """Milliseconds for PX, rounded up: a server lease is never shorter than asked."""
+    return max(1, math.ceil(lease_duration * 1000))
 
 
 @attrs.frozen
@@ -54,33 +64,46 @@ class Granted:
     acquired_at: datetime
 
 
+class _Calls(DriverCalls):
+    """`DriverCalls` that also cuts the secrets of the node's URL from messages."""
+
+    def __init__(self, where: str, timeout: float, url: str | None, secrets: Sequence[str]):
+        super().__init__(
+            "redis", where, timeout=timeout, failures=(RedisError, OSError), secrets=secrets
+        )
+        self._url = url
+
+    def scrub(self, text: str) -> str:
+        text = super().scrub(text)
+        return text if self._url is None else scrub(text, self._url)
+
+
 class Node:
     """One Redis server: a client (closed only if this node built it), scripts and keys."""
 
     def __init__(
         self,
         client: Redis,
+        calls: DriverCalls,
         *,
         owned: bool,
-        label: str,
         settings: Settings,
-        scrubber: Callable[[str], str],
         closers: Sequence[Callable[[], Awaitable[Any]]] = (),
-        timeout: float | None = None,
     ) -> None:
         self.client = client
-        self.label = label
+        self.calls = calls
+        self.label = calls.where
         self.prefix = settings.key_prefix
-        #: The bound of one call when the caller gives none (default: connect + command).
-        self.timeout = timeout or settings.connect_timeout + settings.socket_timeout
         self._owned = owned
-        self._scrub = scrubber
         self._closers = [client.aclose, *closers] if owned else []
-        self._closed = False
         self._acquire = client.register_script(_scripts.ACQUIRE)
         self._renew = client.register_script(_scripts.RENEW)
         self._release = client.register_script(_scripts.RELEASE)
         self._commit = client.register_script(_scripts.COMMIT)
+        #: group -> when its lease ends on the loop's clock (None: released), as the last
+        #: message said. Kept only while the listener is subscribed.
+        self._hints: dict[str, float | None] = {}
+        self._reading: dict[str, asyncio.Future[float | None]] = {}
 
     @classmethod
     def build(
@@ -90,54 +113,27 @@ class Node:
         sentinel_kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> Node:
-        """A node for a URL (this node owns the client it builds) or a caller's client."""
+        """A node for a URL (this node owns the client it builds) or a caller's client.
+
+        *timeout* bounds one call (default: connect + command timeouts).
+        """
+        timeout = timeout or settings.connect_timeout + settings.socket_timeout
         if isinstance(target, Redis):
             kwargs = target.connection_pool.connection_kwargs
             password = kwargs.get("password") or ""
-            secrets = [s for s in {password, unquote(password)} if s]
-
-            def hide(text: str) -> str:
-                for secret in secrets:
-                    text = text.replace(secret, "***")
-                return text
-
             where = (
                 f"{kwargs.get('host', 'redis')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
             )
-            return cls(
-                target, owned=False, label=where, settings=settings, scrubber=hide, timeout=timeout
-            )
+            calls = _Calls(where, timeout, None, [password, unquote(password)])
+            return cls(target, calls, owned=False, settings=settings)
         closers: list[Callable[[], Awaitable[Any]]] = []
         if urlsplit(target).scheme == "redis+sentinel":
             client, close_sentinels = sentinel_client(target, settings, sentinel_kwargs)
             closers.append(close_sentinels)
         else:
             client = client_from_url(target, settings)
-        return cls(
-            client,
-            owned=True,
-            label=redact_url(target),
-            settings=settings,
-            scrubber=lambda text: scrub(text, target),
-            closers=closers,
-            timeout=timeout,
-        )
-
-    async def call(self, op: str, make: Callable[[], Awaitable[T]], within: float | None) -> T:
-        """Run one driver call within *within* seconds; wrap its failures."""
-        if self._closed:
-            raise ProviderError(f"redis {op} on {self.label}: the provider is closed")
-        limit = self.timeout if within is None else within
-        try:
-            async with asyncio.timeout(limit):
-                return await make()
-        except TimeoutError as exc:
-            raise ProviderError(
-                f"redis {op} on {self.label} timed out after {limit:.3g} s"
-            ) from exc
-        except (RedisError, OSError) as exc:
-            message = self._scrub(f"{type(exc).__name__}: {exc}")
-            raise ProviderError(f"redis {op} on {self.label} failed: {message}") from exc
+        calls = _Calls(redact_url(target), timeout, target, ())
+        return cls(client, calls, owned=True, settings=settings, closers=closers)
 
     def _keys(self, group: str) -> tuple[str, str, str]:
         p = self.prefix
@@ -162,17 +158,10 @@ class Node:
         """Create a lease if none is live here; None while one is (whoever holds it)."""
         lease, counter, channel = self._keys(group)
         args: list[str | int] = [
-            participant_id,
-            lease_ms,
-            metadata,
-            candidate,
-            "1" if clock_floor else "0",
-            channel,
-            attempt,
-        ]
-        reply = await self.call(
-            "acquire", lambda: self._acquire(keys=[lease, counter], args=args), within
-        )
+            participant_id, lease_ms, metadata, candidate, int(clock_floor), channel, attempt,
+        ]  # fmt: skip
+        script = self._acquire(keys=[lease, counter], args=args)
+        reply = await self.calls.call("acquire", script, limit=within)
         if not reply:
             return None
         token, acquired_at = reply
@@ -188,9 +177,8 @@ class Node:
         within: float | None = None,
     ) -> bool:
         lease, _, _ = self._keys(group)
-        args: list[str | int] = [participant_id, token, lease_ms, metadata]
-        reply = await self.call("renew", lambda: self._renew(keys=[lease], args=args), within)
-        return int(reply) == 1
+        script = self._renew(keys=[lease], args=[participant_id, token, lease_ms, metadata])
+        return int(await self.calls.call("renew", script, limit=within)) == 1
 
     async def release(
         self,
@@ -203,27 +191,21 @@ class Node:
     ) -> bool:
         """Delete the participant's lease with *token*, or with *attempt* (any token) if given."""
         lease, _, channel = self._keys(group)
-        args: list[str | int] = [participant_id, token, channel, attempt]
-        reply = await self.call("release", lambda: self._release(keys=[lease], args=args), within)
-        return int(reply) == 1
+        script = self._release(keys=[lease], args=[participant_id, token, channel, attempt])
+        return int(await self.calls.call("release", script, limit=within)) == 1
 
     async def commit(
         self, group: str, participant_id: str, given: int, token: int, within: float | None
     ) -> bool:
         lease, counter, _ = self._keys(group)
-        args: list[str | int] = [participant_id, given, token]
-        reply = await self.call(
-            "commit", lambda: self._commit(keys=[lease, counter], args=args), within
-        )
-        return int(reply) == 1
+        script = self._commit(keys=[lease, counter], args=[participant_id, given, token])
+        return int(await self.calls.call("commit", script, limit=within)) == 1
 
     async def leader(self, group: str, within: float | None = None) -> LeaderInfo | None:
         """The holder of the group's lease here; a key with PX is live by definition."""
         lease, _, _ = self._keys(group)
-        fields = ("participant", "token", "metadata", "acquired_at")
-        reply = await self.call(
-            "get_leader", lambda: self.client.hmget(lease, list(fields)), within
-        )
+        read = self.client.hmget(lease, ["participant", "token", "metadata", "acquired_at"])
+        reply = await self.calls.call("get_leader", read, limit=within)
         if reply[0] is None:
             return None
         try:
@@ -240,42 +222,92 @@ class Node:
         except (ValueError, TypeError, AttributeError) as exc:
             raise ProviderError(f"malformed lease record {lease!r} on {self.label}") from exc
 
-    async def pttl(self, group: str, within: float | None = None) -> int:
-        """Milliseconds the group's lease has left here (0: under one), -2 if there is none."""
+    async def expires_in(self, group: str) -> float | None:
+        """Seconds the group's lease has left here, None if there is none.
+
+        The last message on the group's channel answers without a round trip while it
+        holds: "released" (until a new term publishes), or a lease not yet due. Past that
+        (a renewal publishes nothing), PTTL reads it.
+        """
+        hint = self._hints.get(group, _UNKNOWN)
+        if hint is None:
+            return None
+        if isinstance(hint, float):
+            left = hint - asyncio.get_running_loop().time()
+            if left > 0:
+                return left
+        # The watches of one group share a read in flight: a thousand of them woken at
+        # once (a reconnect, an expiry) send one PTTL, not a thousand.
+        reading = self._reading.get(group)
+        if reading is None or reading.done():
+            reading = self._reading[group] = asyncio.ensure_future(self._pttl(group))
+            reading.add_done_callback(functools.partial(self._read, group))
+        return await asyncio.shield(reading)
+
+    def _read(self, group: str, reading: asyncio.Future[float | None]) -> None:
+        if self._reading.get(group) is reading:
+            del self._reading[group]
+        if not reading.cancelled():
+            reading.exception()  # retrieved, even when every watch waiting for it is gone
+
+    async def _pttl(self, group: str) -> float | None:
         lease, _, _ = self._keys(group)
-        reply = await self.call("pttl", lambda: self.client.pttl(lease), within)
-        return int(reply)
+        ms = int(await self.calls.call("pttl", self.client.pttl(lease)))
+        return ms / 1000 if ms >= 0 else None  # -1: no expiry, -2: no lease
 
-    async def subscribe(self, group: str) -> PubSub:
-        """A subscription to the group's channel on a connection of its own, confirmed."""
-        _, _, channel = self._keys(group)
+    def _remember(self, channel: Any, data: Any) -> str | None:
+        """The group a message's *channel* names, after noting what *data* says of it."""
+        name, start = _text(channel), len(self.prefix) + 1
+        if not name.endswith(_scripts.CHANGED) or len(name) <= start + len(_scripts.CHANGED):
+            return None
+        group = name[start : -len(_scripts.CHANGED)]
+        if len(self._hints) >= _MAX_HINTS:
+            self._hints.clear()
+        kind, _, ms = _text(data).partition(" ")
+        if kind == "released":
+            self._hints[group] = None
+        elif kind == "acquired" and ms.isdigit():
+            self._hints[group] = asyncio.get_running_loop().time() + int(ms) / 1000
+        else:
+            self._hints.pop(group, None)
+        return group
+
+    async def listen(self, ready: Callable[[], None], notify: Callable[[str], None]) -> None:
+        """Subscribe once to every group's channel, then report: `ready`, ``notify(group)``.
+
+        Runs until cancelled or the connection breaks (`ProviderError`). redis-py
+        reconnects a dropped connection once and subscribes again, which calls `ready`.
+        """
         pubsub = self.client.pubsub()
-
-        async def confirmed() -> None:
-            await pubsub.subscribe(channel)
-            while True:
-                message = await pubsub.get_message(timeout=self.timeout)
-                if message is not None and message.get("type") == "subscribe":
-                    return
-
+        self._hints.clear()
         try:
-            await self.call("subscribe", confirmed, None)
-        except BaseException:
-            await close_pubsub(pubsub)
-            raise
-        return pubsub
+            pattern = _scripts.channel_pattern(self.prefix)
+            await self.calls.call("subscribe", pubsub.psubscribe(pattern))
+            while True:
+                try:
+                    message = await pubsub.get_message(timeout=None)
+                except self.calls.failures as exc:
+                    self.calls.fail("subscription", exc)
+                if message is None:
+                    continue
+                if message["type"] == "psubscribe":
+                    self._hints.clear()  # messages may have been missed
+                    ready()
+                elif message["type"] == "pmessage":
+                    group = self._remember(message["channel"], message["data"])
+                    if group is not None:
+                        notify(group)
+        finally:
+            self._hints.clear()
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def aclose(self) -> None:
-        if self._closed:
+        if self.calls.closed:
             return
-        self._closed = True
+        self.calls.closed = True
         for close in self._closers:
             try:
                 await close()
             except Exception as exc:  # closing is best effort: the server may be gone
                 log.debug("closing %s: %r", self.label, exc)
-
-
-async def close_pubsub(pubsub: PubSub) -> None:
-    with contextlib.suppress(Exception):
-        await pubsub.aclose()  # type: ignore[no-untyped-call]

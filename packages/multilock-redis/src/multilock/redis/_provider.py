@@ -12,7 +12,8 @@ never lower than the server's clock in microseconds, so they keep rising across 
 expiry, and restarts of a Redis that keeps no data, provided the server clock does not
 go back by more than the time between the last token and the restart (and, behind
 Sentinel, that the new master's clock is not behind the old one's by more than the
-failover took). Followers wake on pub/sub and exactly at lease expiry.
+failover took). Followers wake on pub/sub (one pattern subscription per provider for
+all groups) and exactly at lease expiry, never on a renewal.
 
 Failure modes. A Redis without persistence that restarts forgets the lease: a second
 leader can be elected while the first one still believes it leads, until its next renew
@@ -25,44 +26,32 @@ driver retries only a broken connection, once and at once; failures raise `Provi
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
 
-from multilock.core import (
-    ConfigurationError,
-    LeaderInfo,
-    Provider,
-    validate_metadata,
-    validate_name,
-)
-from multilock.core._names import to_seconds
+from multilock.core.provider import ConfigurationError, LeaderInfo, Notifications
 
+from ._base import RedisBase
 from ._config import Settings, split_url
-from ._node import Node, encode_metadata
-from ._watch import watch_nodes
+from ._node import Node, encode_metadata, lease_ms
 
 __all__ = ["RedisProvider", "lease_ms"]
 
 _SCHEMES = ("redis", "rediss", "redis+sentinel")
 
 
-def lease_ms(lease_duration: float) -> int:
-    """Milliseconds for PX, rounded up: a server lease is never shorter than asked."""
-    return max(1, math.ceil(to_seconds(lease_duration, "lease_duration") * 1000))
-
-
-class RedisProvider(Provider):
+class RedisProvider(RedisBase):
     """Leader election on one Redis server.
 
     *client* is a URL (``redis://``, ``rediss://``, ``redis+sentinel://``; the provider
-    builds a client with short timeouts and no retries, and closes it in `aclose`) or an
-    existing ``redis.asyncio.Redis``, which the provider uses as it is and never closes.
-    A URL may carry ``key_prefix``, ``socket_timeout`` and ``socket_connect_timeout`` in
-    its query string; keyword arguments win. ``sentinel_kwargs`` (e.g. the sentinels'
-    own password) applies to ``redis+sentinel://`` only. Use a provider from one event loop.
+    builds a client with short timeouts, no retries and a bounded pool, and closes it in
+    `aclose`) or an existing ``redis.asyncio.Redis``, which the provider uses as it is and
+    never closes. A URL may carry ``key_prefix``, ``socket_timeout`` and
+    ``socket_connect_timeout`` in its query string; keyword arguments win.
+    ``sentinel_kwargs`` (e.g. the sentinels' own password) applies to ``redis+sentinel://``
+    only. Use a provider from one event loop.
     """
 
     def __init__(
@@ -89,19 +78,12 @@ class RedisProvider(Provider):
         )
         if self._settings.node_timeout is not None:
             raise ConfigurationError("node_timeout is an option of redlock:// URLs only")
-        self._node = Node.build(client, self._settings, sentinel_kwargs)
-
-    @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> RedisProvider:
-        """Build a provider from ``redis://[[user]:password@]host[:port][/db][?options]``."""
-        if not isinstance(url, str):
-            raise ConfigurationError(f"url must be a str, not {type(url).__name__}")
-        return cls(url, **kwargs)
-
-    @property
-    def key_prefix(self) -> str:
-        """The prefix of every key and channel this provider uses."""
-        return self._settings.key_prefix
+        node = self._node = Node.build(client, self._settings, sentinel_kwargs)
+        self._notifications = Notifications(
+            lambda n: node.listen(n.ready, n.notify),
+            name=f"redis pub/sub on {node.label}",
+            expires_in=node.expires_in,
+        )
 
     def __repr__(self) -> str:
         return f"<RedisProvider {self._node.label} key_prefix={self.key_prefix!r}>"
@@ -113,17 +95,19 @@ class RedisProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        ms = lease_ms(lease_duration)
-        meta = dict(metadata)
         granted = await self._node.acquire(
-            group, participant_id, ms, encode_metadata(meta), clock_floor=True
+            group,
+            participant_id,
+            lease_ms(lease_duration),
+            encode_metadata(metadata),
+            clock_floor=True,
         )
         if granted is None:
             return None
         return LeaderInfo(
             participant_id=participant_id,
             token=granted.token,
-            metadata=meta,
+            metadata=metadata,
             acquired_at=granted.acquired_at,
         )
 
@@ -135,21 +119,16 @@ class RedisProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        ms = lease_ms(lease_duration)
-        meta = encode_metadata(validate_metadata(metadata))
-        return await self._node.renew(group, participant_id, int(token), ms, meta)
+        meta = encode_metadata(metadata)
+        return await self._node.renew(group, participant_id, token, lease_ms(lease_duration), meta)
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        await self._node.release(group, participant_id, int(token))
+        await self._node.release(group, participant_id, token)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
         return await self._node.leader(group)
 
-    def watch(self, group: str) -> AsyncIterator[None]:
-        """Yield on every new term and release (pub/sub), and when the lease is due to expire."""
-        validate_name(group, "group")
-        return watch_nodes([self._node], group, 1, set())
-
     async def aclose(self) -> None:
-        """Close the client this provider built (a caller's client stays open)."""
+        """Stop watching and close the client this provider built (a caller's stays open)."""
+        await self._close_watches()
         await self._node.aclose()

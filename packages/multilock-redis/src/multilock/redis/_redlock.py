@@ -12,7 +12,8 @@ first: a candidate it refuses stops there; the others are then asked concurrentl
 ``renew`` needs a majority too, ``release`` goes to all, ``get_leader`` reports the holder
 a majority reports, with the metadata as written. One dead or hung server does not stall
 a round: every call has a short per-node timeout, and reads end as soon as their outcome
-is decided.
+is decided. The watches share one pattern subscription per server and break when fewer
+than a majority of them are alive.
 
 Undo. Every lease an attempt creates carries the attempt's random nonce, and the undo
 deletes exactly those leases, whatever token a lost reply or a lost commit left there,
@@ -50,25 +51,18 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence, Set
+from collections.abc import Awaitable, Callable, Mapping, Sequence, Set
 from typing import Any, TypeVar
 
 import attrs
 from redis.asyncio import Redis
 
-from multilock.core import (
-    ConfigurationError,
-    LeaderInfo,
-    Provider,
-    ProviderError,
-    validate_metadata,
-    validate_name,
-)
+from multilock.core.provider import LeaderInfo, Notifications, ProviderError
 
+from ._base import RedisBase
 from ._config import Settings, redlock_targets
-from ._node import Granted, Node, encode_metadata
-from ._provider import lease_ms
-from ._watch import fanout, watch_nodes
+from ._node import Granted, Node, encode_metadata, lease_ms
+from ._quorum import fanout, listen_quorum, quorum_expiry
 
 __all__ = ["RedlockProvider"]
 
@@ -112,7 +106,7 @@ class _Attempt:
     errors: list[ProviderError] = attrs.field(factory=list)
 
 
-class RedlockProvider(Provider):
+class RedlockProvider(RedisBase):
     """Leader election on a majority of independent Redis servers.
 
     *nodes* is a ``redlock://`` URL naming all servers, or a sequence of ``redis://`` /
@@ -143,17 +137,11 @@ class RedlockProvider(Provider):
         self._nodes = [Node.build(t, self._settings, timeout=timeout) for t in targets]
         self.quorum = len(self._nodes) // 2 + 1
         self._stragglers: set[asyncio.Future[Any]] = set()
-
-    @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> RedlockProvider:
-        """Build a provider from ``redlock://[[user]:password@]h1[:p1],h2[:p2],.../db``."""
-        if not isinstance(url, str):
-            raise ConfigurationError(f"url must be a str, not {type(url).__name__}")
-        return cls(url, **kwargs)
-
-    @property
-    def key_prefix(self) -> str:
-        return self._settings.key_prefix
+        self._notifications = Notifications(
+            lambda n: listen_quorum(self._nodes, self.quorum, n),
+            name="redlock pub/sub on " + ", ".join(n.label for n in self._nodes),
+            expires_in=lambda g: quorum_expiry(self._nodes, g, self.quorum, self._stragglers),
+        )
 
     def __repr__(self) -> str:
         nodes = ", ".join(n.label for n in self._nodes)
@@ -183,8 +171,7 @@ class RedlockProvider(Provider):
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
         ms = lease_ms(lease_duration)
-        meta = dict(metadata)
-        attempt = _Attempt(group, participant_id, ms, encode_metadata(meta))
+        attempt = _Attempt(group, participant_id, ms, encode_metadata(metadata))
         started = time.monotonic()
         try:
             token = await self._campaign(attempt, self._round_timeout(ms / 1000))
@@ -199,7 +186,7 @@ class RedlockProvider(Provider):
                 return LeaderInfo(
                     participant_id=participant_id,
                     token=token,
-                    metadata=meta,
+                    metadata=metadata,
                     acquired_at=first.acquired_at,
                 )
         except BaseException:  # cancelled, or failed: leave nothing behind
@@ -289,13 +276,13 @@ class RedlockProvider(Provider):
         metadata: Mapping[str, str],
     ) -> bool:
         ms = lease_ms(lease_duration)
-        meta = encode_metadata(validate_metadata(metadata))
+        meta = encode_metadata(metadata)
         limit = self._round_timeout(ms / 1000)
 
         # Every server, not just a majority: a straggler would serve old metadata.
         results = await self._fanout(
             range(len(self._nodes)),
-            lambda i: self._nodes[i].renew(group, participant_id, int(token), ms, meta, limit),
+            lambda i: self._nodes[i].renew(group, participant_id, token, ms, meta, limit),
         )
         yes, unknown = sum(1 for v in results.values() if v is True), self._unknown(results)
         if yes >= self.quorum:
@@ -310,7 +297,7 @@ class RedlockProvider(Provider):
     async def release(self, group: str, participant_id: str, token: int) -> None:
         results = await self._fanout(
             range(len(self._nodes)),
-            lambda i: self._nodes[i].release(group, participant_id, int(token)),
+            lambda i: self._nodes[i].release(group, participant_id, token),
         )
         answered = len(self._nodes) - self._unknown(results)
         if answered < self.quorum:
@@ -342,13 +329,9 @@ class RedlockProvider(Provider):
         # servers cannot be confirmed live, so it is not reported.
         return None
 
-    def watch(self, group: str) -> AsyncIterator[None]:
-        """Yield on any server's pub/sub message and when the majority's lease is due to end."""
-        validate_name(group, "group")
-        return watch_nodes(self._nodes, group, self.quorum, self._stragglers)
-
     async def aclose(self) -> None:
-        """Close the clients this provider built (a caller's clients stay open)."""
+        """Stop watching and close the clients this provider built (a caller's stay open)."""
+        await self._close_watches()
         if self._stragglers:
             await asyncio.wait(set(self._stragglers))
         await asyncio.gather(*(n.aclose() for n in self._nodes))

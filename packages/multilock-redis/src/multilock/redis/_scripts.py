@@ -7,7 +7,9 @@ Keys of a group (``{group}`` is a Redis Cluster hash tag, so all of them share o
   judges expiry on its own clock. Only the script that creates it writes the metadata it
   starts with, so a term reads back as it was made until its holder renews it.
 - ``<prefix>{<group>}:token``: the last token handed out. Never deleted, no TTL.
-- channel ``<prefix>{<group>}:changed``: a message on every new term and every release.
+- channel ``<prefix>{<group>}:changed``: a message on every new term (``acquired <lease
+  ms>``, so a watch knows when it ends without asking) and every release (``released``).
+  A watch subscribes to the pattern `channel_pattern` once for all groups.
 
 Tokens are decimal strings in Redis and never pass through Lua's ``tostring`` (which
 prints large numbers in exponent form); Lua numbers are doubles, exact below 2**53, and
@@ -16,7 +18,19 @@ a token that counts microseconds since 1970 stays below that until the year 2255
 
 from __future__ import annotations
 
-__all__ = ["ACQUIRE", "COMMIT", "RELEASE", "RENEW", "channel_name", "lease_key", "token_key"]
+__all__ = [
+    "ACQUIRE",
+    "CHANGED",
+    "COMMIT",
+    "RELEASE",
+    "RENEW",
+    "channel_name",
+    "channel_pattern",
+    "lease_key",
+    "token_key",
+]
+
+CHANGED = "}:changed"
 
 # KEYS: lease, token counter. ARGV: participant, lease ms, metadata JSON, candidate token,
 # clock floor ("1"/"0"), channel, attempt id ("" for none).
@@ -48,7 +62,7 @@ if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[1], 'attempt', ARGV[7])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('PUBLISH', ARGV[6], 'acquired')
+redis.call('PUBLISH', ARGV[6], 'acquired ' .. ARGV[2])
 return {token, at}
 """
 
@@ -111,4 +125,10 @@ def token_key(prefix: str, group: str) -> str:
 
 
 def channel_name(prefix: str, group: str) -> str:
-    return f"{prefix}{{{group}}}:changed"
+    return f"{prefix}{{{group}{CHANGED}"
+
+
+def channel_pattern(prefix: str) -> str:
+    """The PSUBSCRIBE pattern of every group's channel (the prefix's glob characters escaped)."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\^" else c for c in prefix)
+    return f"{escaped}{{*{CHANGED}"
