@@ -24,6 +24,7 @@ from harness import BaseServer, require_control
 from multilock.core import ConfigurationError, ProviderError, from_url
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
 from multilock.postgres import PostgresProvider
+from multilock.postgres._connections import MAX_CONNECTIONS
 from multilock.postgres._sql import channel_name
 
 
@@ -138,7 +139,7 @@ async def test_a_live_term_is_refused_even_to_its_participant_id_and_nothing_is_
     # second must not join (nor extend, nor relabel) the first one's term, or the election
     # could no longer tell its own term by the nonce in the metadata.
     group = fresh()
-    channel = channel_name("public", "multilock_leases", group)
+    channel = channel_name("public", "multilock_leases")
     # xmin changes with every new row version: equal means the row was not rewritten.
     row_of = sql.SQL(
         "SELECT xmin::text, participant_id, token, metadata, acquired_at, expires_at"
@@ -164,10 +165,11 @@ async def test_a_live_term_is_refused_even_to_its_participant_id_and_nothing_is_
         payloads: list[str] = []
         async with asyncio.timeout(5):
             async for note in listener.notifies():
-                payloads.append(note.payload)
+                if note.payload.split(" ")[0] in (group, "marker"):
+                    payloads.append(note.payload)
                 if note.payload == "marker":
                     break
-        assert payloads == [group, "marker"], "a refused acquire sent a NOTIFY"
+        assert payloads == [f"{group} 30.0", "marker"], "a refused acquire sent a NOTIFY"
         # The holder takes its term up with renew, as the election does after a lost reply.
         assert await q.renew(group, "p1", first.token, 30, {"multilock.instance": "a"})
         await p.release(group, "p1", first.token)
@@ -214,6 +216,71 @@ async def test_watch_wakes_on_release_within_100_ms(url: str) -> None:
             await watch.aclose()  # type: ignore[attr-defined]
     assert statistics.median(delays) < 0.1, delays
     assert max(delays) < 0.5, delays
+
+
+async def connections_of(url: str, application: str) -> tuple[int, int]:
+    """How many server connections *application* holds, and how many of them LISTEN."""
+    rows = await query(
+        url,
+        sql.SQL(
+            "SELECT count(*), count(*) FILTER (WHERE query LIKE 'LISTEN %%')"
+            " FROM pg_stat_activity WHERE application_name = %s"
+        ),
+        application,
+    )
+    return rows[0][0], rows[0][1]
+
+
+async def test_one_listen_connection_serves_every_watch_of_a_provider(url: str) -> None:
+    # 50 groups watched, and 5 watches on one of them, all on one provider: the server
+    # sees one LISTEN connection, and the statements stay within the provider's pool.
+    application = fresh("watcher")
+    groups = [fresh("many") for _ in range(50)]
+    watched = f"{url}{'&' if '?' in url else '?'}application_name={application}"
+    async with PostgresProvider(watched) as p, PostgresProvider(url) as writer:
+        named = [(groups[0], p.watch(groups[0]))]
+        pending: list[asyncio.Future[None]] = []
+        try:
+            await next_within(named[0][1], 5)
+            assert await connections_of(url, application) in ((1, 1), (2, 1))
+            named += [(g, p.watch(g)) for g in [*groups[1:], *[groups[0]] * 4]]
+            await asyncio.gather(*(next_within(w, 10) for _, w in named[1:]))
+            total, listening = await connections_of(url, application)
+            assert listening == 1, f"{listening} LISTEN connections for {len(named)} watches"
+            assert total <= MAX_CONNECTIONS + 1, f"{total} connections"
+            same = [w for g, w in named if g == groups[0]]
+            assert len(same) == 5
+            info = await writer.try_acquire(groups[0], "p1", 30, {})
+            assert info is not None
+            await asyncio.gather(*(next_within(w, 2) for w in same))  # the acquisition
+            pending = [asyncio.ensure_future(anext(w)) for _, w in named]
+            woken = {
+                g: [f for (h, _), f in zip(named, pending, strict=True) if h == g] for g in groups
+            }
+            assert await writer.renew(groups[0], "p1", info.token, 30, {})
+            # A marker after the renewal: had the renewal notified, its wake came first.
+            assert await writer.try_acquire(groups[1], "p2", 30, {}) is not None
+            async with asyncio.timeout(2):
+                await woken[groups[1]][0]
+            await writer.get_leader(groups[0])  # one more round trip for any late wake
+            assert not any(f.done() for f in woken[groups[0]]), "a renewal woke a watch"
+            await writer.release(groups[0], "p1", info.token)
+            async with asyncio.timeout(2):
+                await asyncio.gather(*woken[groups[0]])
+            await writer.get_leader(groups[0])
+            others = [f for g in groups[2:] for f in woken[g]]
+            assert not any(f.done() for f in others), "another group's watch woke"
+            assert (await connections_of(url, application))[1] == 1
+        finally:
+            for future in pending:
+                future.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for _, watch in named:
+                await watch.aclose()  # type: ignore[attr-defined]
+    # The last watch closed stops the listener; closing the provider closes the rest.
+    async with asyncio.timeout(5):
+        while await connections_of(url, application) != (0, 0):
+            await asyncio.sleep(0.05)
 
 
 async def test_watch_wakes_when_the_lease_expires(url: str) -> None:

@@ -61,33 +61,42 @@ def test_bad_names_are_rejected_before_connecting() -> None:
         PostgresProvider(url, table='leases"; DROP TABLE users; --')
 
 
-def test_channel_names_fit_and_differ() -> None:
+def test_one_channel_per_table_that_fits() -> None:
     names = {
-        channel_name("public", "multilock_leases", "g"),
-        channel_name("public", "multilock_leases", "h"),
-        channel_name("other", "multilock_leases", "g"),
-        channel_name("public", "other", "g"),
+        channel_name("public", "multilock_leases"),
+        channel_name("other", "multilock_leases"),
+        channel_name("public", "other"),
     }
-    assert len(names) == 4
-    longest = channel_name("S" * 63, "T" * 63, "g" * 255)
+    assert len(names) == 3
+    longest = channel_name("S" * 63, "T" * 63)
     assert len(longest.encode()) <= 63
-    assert longest == channel_name("S" * 63, "T" * 63, "g" * 255)
+    assert longest == channel_name("S" * 63, "T" * 63)
 
 
 def test_acquire_takes_only_a_free_or_expired_row() -> None:
     # A live row is refused whoever holds it, even the same participant id; a row taken
     # always starts a new term. Behaviour on a server: integration/test_postgres.py.
-    acquire = Statements("Election", "Leases").acquire.as_string()
+    acquire = Statements("Election", "Leases").acquire.decode()
+    channel = channel_name("Election", "Leases")
     assert acquire.startswith('INSERT INTO "Election"."Leases" AS t ')
     assert " ON CONFLICT (group_name) DO UPDATE SET token = t.token + 1," in acquire
     assert " acquired_at = excluded.acquired_at," in acquire
     assert acquire.endswith(
         " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
-        " RETURNING t.token, t.acquired_at, pg_notify(%(channel)s, t.group_name)::text"
+        f" RETURNING t.token, t.acquired_at, pg_notify('{channel}', %(payload)s)::text"
     )
     assert "CASE" not in acquire
     assert "excluded.participant_id AND" not in acquire
     assert "t.participant_id = excluded.participant_id" not in acquire
+
+
+def test_only_acquire_and_release_notify() -> None:
+    sql = Statements("public", "multilock_leases")
+    channel = channel_name("public", "multilock_leases")
+    assert sql.listen.decode() == f'LISTEN "{channel}"'
+    assert f"pg_notify('{channel}', group_name)" in sql.release.decode()
+    for quiet in (sql.renew, sql.leader, sql.expires_in):
+        assert b"notify" not in quiet
 
 
 @pytest.mark.parametrize("scheme", ["postgresql", "postgres"])

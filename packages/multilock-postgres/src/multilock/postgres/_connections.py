@@ -1,9 +1,11 @@
 """Where `PostgresProvider` gets its connections: its own, or a caller's connection or pool.
 
-Connections the provider opens are autocommit, carry a server-side ``statement_timeout``,
-are kept idle for reuse (a few), and are closed as soon as one of them breaks: the server
-went away, so the idle ones are dead too. A caller's connection or pool is used as is
-and never closed.
+Connections the provider opens are autocommit and carry a server-side
+``statement_timeout``. At most `MAX_CONNECTIONS` of them run statements at once, however
+many elections share the provider (a call beyond that waits for one to come back), and
+they stay open for reuse until one breaks: the server went away, so the idle ones are
+dead too and are closed. A caller's connection or pool is used as is and never closed;
+its own bounds apply.
 """
 
 from __future__ import annotations
@@ -11,31 +13,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import sys
 from collections.abc import AsyncIterator, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
-from multilock.core import ConfigurationError, ProviderError
-from multilock.core._names import to_seconds
+from multilock.core.provider import ConfigurationError, ProviderError, to_seconds
 
 from ._conninfo import ConnInfo
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
 
-__all__ = ["Connection", "Connections", "Query", "Source", "execute"]
+__all__ = ["MAX_CONNECTIONS", "Connection", "Connections", "Source"]
+
+log = logging.getLogger(__name__)
 
 Connection = psycopg.AsyncConnection[Any]
 Source: TypeAlias = "str | Connection | AsyncConnectionPool[Any]"
-Query = sql.SQL | sql.Composed
-_MAX_IDLE = 4  # idle connections kept for reuse; concurrent calls open more as needed
+#: Connections of its own a provider runs statements on at most, at once.
+MAX_CONNECTIONS = 10
 
 
 def _is_pool(obj: object) -> TypeGuard[AsyncConnectionPool[Any]]:
@@ -77,11 +80,13 @@ class Connections:
         )
         self._statement_ms = f"{max(1, round(statement_timeout * 1000))}ms"
         self._idle: list[Connection] = []
-        self._lock = asyncio.Lock()  # one caller at a time on a connection passed in
+        # One caller at a time on a connection passed in; MAX_CONNECTIONS on our own.
+        self._slots = asyncio.Semaphore(1 if self._conn is not None else MAX_CONNECTIONS)
         self.closed = False
 
-    def scrub(self, text: str) -> str:
-        return self.info.scrub(text) if self.info is not None else text
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        return self.info.secrets if self.info is not None else ()
 
     async def connect(self, conninfo: str, **kwargs: Any) -> Connection:
         """Open an autocommit connection of our own, with the statement timeout set."""
@@ -97,30 +102,50 @@ class Connections:
         return conn
 
     @contextlib.asynccontextmanager
-    async def checkout(self) -> AsyncIterator[tuple[Connection, bool]]:
+    async def _checkout(self) -> AsyncIterator[tuple[Connection, bool]]:
         """Yield a connection and whether it was used before (so it may be dead)."""
-        if self._conn is not None:
-            async with self._lock:
-                yield self._conn, False
-            return
         if self._pool is not None:
             async with self._pool.connection(timeout=self.connect_timeout) as conn:
                 yield conn, True
             return
-        assert self.info is not None
-        reused = bool(self._idle)
-        conn = self._idle.pop() if reused else await self.connect(self.info.conninfo)
-        ok = False
-        try:
-            yield conn, reused
-            ok = not conn.broken and conn.info.transaction_status == TransactionStatus.IDLE
-        finally:
-            if ok and not self.closed and len(self._idle) < _MAX_IDLE:
-                self._idle.append(conn)
-            else:
-                await conn.close()
-                if conn.broken:
-                    await self._close_idle()
+        async with self._slots:
+            if self._conn is not None:
+                yield self._conn, False
+                return
+            assert self.info is not None
+            reused = bool(self._idle)
+            conn = self._idle.pop() if reused else await self.connect(self.info.conninfo)
+            ok = False
+            try:
+                yield conn, reused
+                ok = not conn.broken and conn.info.transaction_status == TransactionStatus.IDLE
+            finally:
+                if ok and not self.closed:
+                    self._idle.append(conn)
+                else:
+                    await conn.close()
+                    if conn.broken:
+                        await self._close_idle()
+
+    async def run(self, query: bytes, params: Mapping[str, Any] | None) -> list[tuple[Any, ...]]:
+        """Run *query* as its own transaction and return its rows.
+
+        Retry once, on a fresh connection, only if a reused one was found dead (the server
+        restarted): an acquire that had committed after all then gets None, like any
+        refused one.
+        """
+        retried = False
+        while True:
+            conn: Connection | None = None
+            reused = False
+            try:
+                async with self._checkout() as (conn, reused):
+                    return await _execute(conn, query, params)
+            except (psycopg.Error, OSError):
+                if conn is None or not conn.broken or not reused or retried:
+                    raise
+                log.debug("postgres: the connection was dead; retrying once")
+                retried = True
 
     async def listener(self) -> Connection:
         """Open a new connection of our own with the same parameters, for LISTEN."""
@@ -146,10 +171,9 @@ class Connections:
         await self._close_idle()
 
 
-async def execute(
-    conn: Connection, query: Query, params: Mapping[str, Any] | None
+async def _execute(
+    conn: Connection, query: bytes, params: Mapping[str, Any] | None
 ) -> list[tuple[Any, ...]]:
-    """Run *query* as its own transaction and return its rows."""
     async with conn.cursor(row_factory=tuple_row) as cur:
         if conn.autocommit:
             await cur.execute(query, params)

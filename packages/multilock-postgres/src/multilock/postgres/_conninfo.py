@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from datetime import timedelta
@@ -12,9 +13,7 @@ import attrs
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from multilock.core import ConfigurationError
-from multilock.core._names import to_seconds
-from multilock.core._url import redact_url, scrub
+from multilock.core.provider import ConfigurationError, redact_url, scrub, to_seconds
 
 __all__ = ["SCHEMES", "ConnInfo", "split_url"]
 
@@ -34,8 +33,8 @@ class ConnInfo:
     #: The same, with the password replaced by ``***``.
     shown: str
     connect_timeout: float
+    #: The password in every spelling a message may hold.
     secrets: tuple[str, ...] = attrs.field(repr=False, default=())
-    url: str = attrs.field(repr=False, default="")
 
     @classmethod
     def parse(cls, text: str, connect_timeout: float | timedelta | None) -> ConnInfo:
@@ -56,6 +55,10 @@ class ConnInfo:
             detail = f": {scrub(str(exc), text)}" if scheme else ""
             raise ConfigurationError(f"invalid PostgreSQL connection string{detail}") from None
         password = str(params.get("password") or "")
+        spellings = {password, quote(password, safe="")}
+        if scheme:
+            with contextlib.suppress(ValueError):
+                spellings.add(urlsplit(text).password or "")
         if scheme:
             shown = redact_url(text)
         else:
@@ -78,15 +81,8 @@ class ConnInfo:
             conninfo=make_conninfo(text, **{k: v for k, v in defaults.items() if k not in params}),
             shown=shown,
             connect_timeout=seconds,
-            secrets=tuple(s for s in {password, quote(password, safe="")} if s),
-            url=text if scheme else "",
+            secrets=tuple(s for s in spellings if s),
         )
-
-    def scrub(self, text: str) -> str:
-        """Remove the password from *text*, in any spelling it may take."""
-        for secret in self.secrets:
-            text = text.replace(secret, _REDACTED)
-        return scrub(text, self.url) if self.url else text
 
 
 def split_url(url: str) -> tuple[str, dict[str, str]]:

@@ -10,51 +10,52 @@ live term, whoever holds it, even the caller's own participant id: it returns No
 writes nothing (no row change, no NOTIFY). A term whose acquire reply was lost is found
 by the election with ``get_leader`` (the metadata comes back exactly as written, with its
 instance nonce) and taken up with ``renew``, which compares participant id and token.
-Acquire and release ``pg_notify`` a per-group channel in the same statement (delivered at
-commit); ``watch`` listens on a connection of its own and also wakes when the lease it
-saw is due to expire.
+
+Watching: acquire and release ``pg_notify`` the table's one channel in the same statement
+(delivered at commit), with the group (and a new lease's duration) as the payload. A
+provider LISTENs on one connection of its own for all its watches, of every group, while
+at least one is open; a watch wakes on its group's notifications and when the lease it
+saw is due to end and was not renewed (renewals send nothing, so they wake nobody). The
+lease a notification announces is timed from the notification itself; only a wake at a
+lease's end reads the row.
 
 Failure modes: a driver error or timeout raises `ProviderError` (the driver's error as
-``__cause__``, the password scrubbed). Connections the provider opened are dropped when
-they break and reopened by the next call; a call that failed only because a reused idle
-connection was dead (the server restarted) is retried once on a fresh one (an acquire
-that had committed after all then gets None, like any refused one). Calls are
-bounded by ``connect_timeout``, by ``statement_timeout`` on the server, and by their sum
-plus one second in the client (psycopg may take a few more seconds to cancel a query it
-was interrupted in). A connection or pool passed in is never closed or reconnected here.
-A watch raises `ProviderError` when its connection breaks; the next ``watch`` opens anew.
+``__cause__`` unless it holds the password, which is scrubbed from every message).
+Connections the provider opened are dropped when they break and reopened by the next
+call; a call that failed only because a reused idle connection was dead (the server
+restarted) is retried once on a fresh one. Calls are bounded by ``connect_timeout``, by
+``statement_timeout`` on the server, and by their sum plus one second in the client
+(psycopg may take a few more seconds to cancel a query it was interrupted in). A
+connection or pool passed in is never closed or reconnected here. When the LISTEN
+connection breaks, every open watch raises `ProviderError`; the next ``watch`` listens anew.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, timedelta
 from typing import Any
 
 import psycopg
-from psycopg import errors, sql
+from psycopg import errors
 from psycopg.types.json import Jsonb
 
-from multilock.core import (
-    ConfigurationError,
+from multilock.core.provider import (
+    DriverCalls,
     LeaderInfo,
+    Notifications,
     Provider,
     ProviderError,
-    validate_name,
+    to_seconds,
 )
-from multilock.core._names import to_seconds
 
-from ._connections import Connection, Connections, Query, Source, execute
+from ._connections import Connections, Source
 from ._conninfo import split_url
-from ._sql import Statements, channel_name, validate_identifier
+from ._sql import Statements, validate_identifier
 
 __all__ = ["PostgresProvider"]
 
-log = logging.getLogger(__name__)
-
-_EXPIRY_SLACK = 0.002  # wake just after the lease's end, so the server agrees it ended
 #: What two processes creating the same schema or table at the same moment may get.
 _CREATE_RACE = (
     errors.UniqueViolation,
@@ -62,7 +63,6 @@ _CREATE_RACE = (
     errors.DuplicateObject,
     errors.DuplicateSchema,
 )
-_FAILURES = (psycopg.Error, OSError, TimeoutError)
 
 
 class PostgresProvider(Provider):
@@ -88,8 +88,19 @@ class PostgresProvider(Provider):
         self._table = validate_identifier(table, "table")
         statement_seconds = to_seconds(statement_timeout, "statement_timeout")
         self._connections = Connections(connection, connect_timeout, statement_seconds)
-        self._call_timeout = self._connections.connect_timeout + statement_seconds + 1.0
+        self._calls = DriverCalls(
+            "postgres",
+            self._connections.where,
+            timeout=self._connections.connect_timeout + statement_seconds + 1.0,
+            failures=(psycopg.Error, OSError),
+            secrets=self._connections.secrets,
+        )
         self._sql = Statements(self._schema, self._table)
+        self._notifications = Notifications(
+            self._listen, name=repr(self), expires_in=self._expires_in
+        )
+        #: group -> when its lease ends (loop time; None: free), as last notified.
+        self._notified: dict[str, float | None] = {}
         self._setup_lock = asyncio.Lock()
         self._ready = False
 
@@ -106,37 +117,10 @@ class PostgresProvider(Provider):
     def __repr__(self) -> str:
         return f"<PostgresProvider {self._connections.where} table={self._schema}.{self._table}>"
 
-    def _channel(self, group: str) -> str:
-        return channel_name(self._schema, self._table, group)
-
-    def _error(self, op: str, exc: BaseException) -> ProviderError:
-        if isinstance(exc, TimeoutError):
-            detail = "timed out"
-        else:
-            detail = self._connections.scrub(str(exc).strip()) or type(exc).__name__
-        return ProviderError(f"postgres {op} failed on {self._connections.where}: {detail}")
-
     async def _run(
-        self, op: str, query: Query, params: Mapping[str, Any] | None = None
+        self, op: str, query: bytes, params: Mapping[str, Any] | None = None
     ) -> list[tuple[Any, ...]]:
-        """Run one statement; retry once only if a reused connection was found dead."""
-        if self._connections.closed:
-            raise ProviderError(f"{self!r} is closed")
-        retried = False
-        while True:
-            conn: Connection | None = None
-            reused = False
-            try:
-                async with asyncio.timeout(self._call_timeout):
-                    async with self._connections.checkout() as (conn, reused):
-                        return await execute(conn, query, params)
-            except _FAILURES as exc:
-                dead = conn is not None and conn.broken and not isinstance(exc, TimeoutError)
-                if dead and reused and not retried:
-                    log.debug("postgres %s: the connection was dead; retrying once", op)
-                    retried = True
-                    continue
-                raise self._error(op, exc) from exc
+        return await self._calls.call(op, self._connections.run(query, params))
 
     async def _ensure_table(self) -> None:
         """Create the schema and table if missing: once per provider, race-safe.
@@ -166,7 +150,7 @@ class PostgresProvider(Provider):
                     # Another process created it at the same moment: look again.
             raise ProviderError(f"could not create the table {self._schema}.{self._table}")
 
-    async def _query(self, op: str, query: Query, params: Mapping[str, Any]) -> list[Any]:
+    async def _query(self, op: str, query: bytes, params: Mapping[str, Any]) -> list[Any]:
         await self._ensure_table()
         return await self._run(op, query, params)
 
@@ -177,10 +161,8 @@ class PostgresProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        lease = lease_duration
-        meta = dict(metadata)
-        params = {"group": group, "participant": participant_id, "lease": lease}
-        params |= {"metadata": Jsonb(meta), "channel": self._channel(group)}
+        params = {"group": group, "participant": participant_id, "lease": lease_duration}
+        params |= {"metadata": Jsonb(metadata), "payload": f"{group} {lease_duration!r}"}
         rows = await self._query("try_acquire", self._sql.acquire, params)
         if not rows:
             return None
@@ -188,7 +170,7 @@ class PostgresProvider(Provider):
         return LeaderInfo(
             participant_id=participant_id,
             token=token,
-            metadata=meta,
+            metadata=metadata,
             acquired_at=acquired_at.astimezone(UTC),
         )
 
@@ -200,15 +182,13 @@ class PostgresProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        lease = lease_duration
-        meta = dict(metadata)
-        params = {"group": group, "participant": participant_id, "lease": lease}
-        params |= {"metadata": Jsonb(meta), "token": _token(token)}
+        params = {"group": group, "participant": participant_id, "lease": lease_duration}
+        params |= {"metadata": Jsonb(metadata), "token": token}
         return bool(await self._query("renew", self._sql.renew, params))
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        params = {"group": group, "participant": participant_id, "token": _token(token)}
-        await self._query("release", self._sql.release, params | {"channel": self._channel(group)})
+        params = {"group": group, "participant": participant_id, "token": token}
+        await self._query("release", self._sql.release, params)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
         rows = await self._query("get_leader", self._sql.leader, {"group": group})
@@ -224,44 +204,52 @@ class PostgresProvider(Provider):
 
     def watch(self, group: str) -> AsyncIterator[None]:
         """Yield once listening, then on each acquire or release of *group*, and when the
-        lease seen is due to expire (by the server's clock). Opens its own connection."""
-        validate_name(group, "group")
-        return self._watch(group)
+        lease seen is due to end (by the server's clock). All watches share one connection."""
+        return self._notifications.watch(group)
 
-    async def _watch(self, group: str) -> AsyncIterator[None]:
-        await self._ensure_table()
-        listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel(group)))
+    async def _listen(self, notifications: Notifications) -> None:
+        """LISTEN on one connection for every watch of this provider, until cancelled."""
+        self._notified.clear()  # what was notified before may have been missed since
+        conn = await self._calls.call("watch", self._connections.listener())
         try:
-            conn = await self._connections.listener()
-            try:
-                await conn.execute(listen)
-            except BaseException:
-                await conn.close()
-                raise
-        except _FAILURES as exc:
-            raise self._error("watch", exc) from exc
-        try:
-            # A change made before LISTEN took effect sent no notification we can see.
-            yield None
-            while True:
+            await self._calls.call("watch", conn.execute(self._sql.listen))
+            notifications.ready()
+            clock = asyncio.get_running_loop().time
+            watched = 0
+            async for note in conn.notifies():
+                group, _, lease = note.payload.partition(" ")
                 try:
-                    async with asyncio.timeout(self._call_timeout):
-                        rows = await execute(conn, self._sql.expires_in, {"group": group})
-                    wait = float(rows[0][0]) + _EXPIRY_SLACK if rows else None
-                    async for _ in conn.notifies(timeout=wait, stop_after=1):
-                        pass
-                except _FAILURES as exc:
-                    raise self._error("watch", exc) from exc
-                yield None
+                    self._notified[group] = clock() + float(lease) if lease else None
+                except ValueError:  # not ours: the row will tell
+                    self._notified.pop(group, None)
+                notifications.notify(group)
+                if len(self._notified) > 2 * watched + 64:  # forget the unwatched groups
+                    groups = notifications.groups
+                    self._notified = {g: t for g, t in self._notified.items() if g in groups}
+                    watched = len(groups)
+        except self._calls.failures as exc:
+            self._calls.fail("watch", exc)
         finally:
             await conn.close()
 
+    async def _expires_in(self, group: str) -> float | None:
+        """Seconds the group's lease has left (None: no lease), read only when needed.
+
+        Right after a notification, its own news answers; at a lease's end (was it
+        renewed?) and after (re)subscribing, the row is read.
+        """
+        if group in self._notified:
+            ends = self._notified[group]
+            if ends is None:
+                return None
+            left = ends - asyncio.get_running_loop().time()
+            if left > 0:
+                return left
+        rows = await self._query("watch", self._sql.expires_in, {"group": group})
+        return float(rows[0][0]) if rows else None
+
     async def aclose(self) -> None:
         """Close the connections this provider opened; later calls raise. Idempotent."""
+        self._calls.closed = True
+        await self._notifications.aclose()
         await self._connections.aclose()
-
-
-def _token(token: object) -> int:
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise ConfigurationError(f"token must be an int, not {type(token).__name__}")
-    return token

@@ -1,16 +1,23 @@
-"""The SQL of `PostgresProvider`: identifier checks, channel names and the statements.
+"""The SQL of `PostgresProvider`: the identifier check, the channel and the statements.
 
-Every statement is built once per (schema, table) with `psycopg.sql.Identifier`, and every
-value (group, participant, token, lease, metadata) is a bound parameter. Time is always
-the server's ``clock_timestamp()``, read once per statement (``FROM (SELECT
-clock_timestamp() AS now)``), never the client's clock: in autocommit ``now()`` would do
-too, but ``clock_timestamp()`` stays right even on a connection inside a transaction.
+Every statement is built once per (schema, table) with `psycopg.sql.Identifier` and kept as
+bytes (nothing to compose per call; psycopg prepares a statement after a few runs on a
+connection), and every value (group, participant, token, lease, metadata) is a bound
+parameter. Time is always the server's ``clock_timestamp()``, read once per statement
+(``FROM (SELECT clock_timestamp() AS now)``), never the client's clock: in autocommit
+``now()`` would do too, but ``clock_timestamp()`` stays right even on a connection inside
+a transaction.
+
+Notifications: one channel per table (`channel_name`). A taken lease sends
+``"<group> <lease seconds>"``, a release sends ``"<group>"``, both from the statement that
+writes the row (delivered at its commit); a renewal sends nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from typing import LiteralString
 
 from psycopg import sql
 
@@ -25,15 +32,13 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 def validate_identifier(value: object, field: str) -> str:
     """Return *value* if it is a safe schema or table name, else raise ConfigurationError.
 
-    The pattern is strict on purpose (letters, digits and ``_``, not starting with a
-    digit, at most 63 characters); names are still quoted, so case is kept as written.
+    Strict on purpose (names are still quoted, so case is kept as written).
     """
     if not isinstance(value, str):
         raise ConfigurationError(f"{field} must be a str, not {type(value).__name__}")
     if not _IDENTIFIER.fullmatch(value):
-        shown = value if len(value) <= 70 else value[:67] + "..."
         raise ConfigurationError(
-            f"{field} {shown!r} is invalid: use 1 to 63 ASCII letters, digits and '_', "
+            f"{field} {value[:70]!r} is invalid: use 1 to 63 ASCII letters, digits and '_', "
             "not starting with a digit"
         )
     if field == "schema" and value.startswith("pg_"):
@@ -41,9 +46,9 @@ def validate_identifier(value: object, field: str) -> str:
     return value
 
 
-def channel_name(schema: str, table: str, group: str) -> str:
-    """The LISTEN/NOTIFY channel of *group*: a hash, so any group fits in 63 bytes."""
-    digest = hashlib.sha256(f"{schema}\0{table}\0{group}".encode()).hexdigest()
+def channel_name(schema: str, table: str) -> str:
+    """The LISTEN/NOTIFY channel of a table: a hash, so any names fit in 63 bytes."""
+    digest = hashlib.sha256(f"{schema}\0{table}".encode()).hexdigest()
     return f"multilock_{digest[:40]}"
 
 
@@ -51,16 +56,23 @@ class Statements:
     """The statements for one table, composed once."""
 
     def __init__(self, schema: str, table: str) -> None:
-        t = sql.Identifier(schema, table)
-        self.exists = sql.SQL(
+        names = {
+            "s": sql.Identifier(schema),
+            "t": sql.Identifier(schema, table),
+            "channel": sql.Identifier(channel_name(schema, table)),
+            "to": sql.Literal(channel_name(schema, table)),
+        }
+
+        def q(text: LiteralString) -> bytes:
+            return sql.SQL(text).format(**names).as_bytes(None)
+
+        self.exists = q(
             "SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s), "
             "EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = %(schema)s "
             "AND tablename = %(table)s)"
         )
-        self.create_schema = sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-            sql.Identifier(schema)
-        )
-        self.create_table = sql.SQL(
+        self.create_schema = q("CREATE SCHEMA IF NOT EXISTS {s}")
+        self.create_table = q(
             "CREATE TABLE IF NOT EXISTS {t} ("
             " group_name text PRIMARY KEY,"
             " participant_id text,"
@@ -68,12 +80,12 @@ class Statements:
             " metadata jsonb NOT NULL DEFAULT '{{}}'::jsonb,"
             " acquired_at timestamptz,"
             " expires_at timestamptz)"
-        ).format(t=t)
+        )
         # One statement: insert the first term, or take over a free or expired row with
         # token + 1. A live row is never taken, whoever holds it (even the same
         # participant id): the WHERE refuses it, so nothing is written or returned, and
         # the NOTIFY in RETURNING (sent at commit) runs only for a row taken.
-        self.acquire = sql.SQL(
+        self.acquire = q(
             "INSERT INTO {t} AS t"
             " (group_name, participant_id, token, metadata, acquired_at, expires_at)"
             " SELECT %(group)s::text, %(participant)s::text, 1, %(metadata)s::jsonb,"
@@ -86,32 +98,33 @@ class Statements:
             " acquired_at = excluded.acquired_at,"
             " expires_at = excluded.expires_at"
             " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
-            " RETURNING t.token, t.acquired_at, pg_notify(%(channel)s, t.group_name)::text"
-        ).format(t=t)
-        self.renew = sql.SQL(
+            " RETURNING t.token, t.acquired_at, pg_notify({to}, %(payload)s)::text"
+        )
+        self.renew = q(
             "UPDATE {t} AS t SET expires_at = c.now + make_interval(secs => %(lease)s),"
             " metadata = %(metadata)s"
             " FROM (SELECT clock_timestamp() AS now) AS c"
             " WHERE t.group_name = %(group)s AND t.participant_id = %(participant)s"
             " AND t.token = %(token)s AND t.expires_at > c.now"
             " RETURNING t.token"
-        ).format(t=t)
+        )
         # The row and its token stay, so the next term's token is still token + 1.
-        self.release = sql.SQL(
+        self.release = q(
             "WITH released AS ("
             " UPDATE {t} SET participant_id = NULL, expires_at = NULL, acquired_at = NULL,"
             " metadata = '{{}}'::jsonb"
             " WHERE group_name = %(group)s AND participant_id = %(participant)s"
             " AND token = %(token)s RETURNING group_name)"
-            " SELECT pg_notify(%(channel)s, group_name)::text FROM released"
-        ).format(t=t)
-        self.leader = sql.SQL(
+            " SELECT pg_notify({to}, group_name)::text FROM released"
+        )
+        self.leader = q(
             "SELECT participant_id, token, metadata, acquired_at FROM {t}"
             " WHERE group_name = %(group)s AND participant_id IS NOT NULL"
             " AND expires_at > clock_timestamp()"
-        ).format(t=t)
-        self.expires_in = sql.SQL(
+        )
+        self.expires_in = q(
             "SELECT extract(epoch FROM expires_at - clock_timestamp())::float8 FROM {t}"
             " WHERE group_name = %(group)s AND participant_id IS NOT NULL"
             " AND expires_at > clock_timestamp()"
-        ).format(t=t)
+        )
+        self.listen = q("LISTEN {channel}")

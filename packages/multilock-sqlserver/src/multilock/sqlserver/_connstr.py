@@ -9,13 +9,13 @@ parameter is an ODBC keyword, passed through as written.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import attrs
 
-from multilock.core import ConfigurationError
-from multilock.core._url import redact_url, scrub
+from multilock.core.provider import ConfigurationError, redact_url
 
 __all__ = ["SCHEMES", "ConnString", "format_pairs", "parse_odbc", "parse_url"]
 
@@ -222,10 +222,14 @@ class ConnString:
         database = self.get("DATABASE")
         return f"{where}/{database}" if database else where
 
-    def scrub(self, text: str) -> str:
-        """Remove every secret of this string from *text*, in any spelling it may take."""
-        secrets = {v for k, v in self.pairs if _is_secret(k) and v}
-        secrets |= {_quote(s) for s in secrets}
-        for secret in sorted(secrets, key=len, reverse=True):
-            text = text.replace(secret, _REDACTED)
-        return scrub(text, self.url) if self.url else text
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """Every secret of this string, in every spelling a message may hold."""
+        found = {v for k, v in self.pairs if _is_secret(k) and v}
+        found |= {_quote(s) for s in found} | {quote(s, safe="") for s in found}
+        if self.url:
+            with contextlib.suppress(ValueError):
+                parts = urlsplit(self.url)
+                found.add(parts.password or "")
+                found |= {v for k, v in parse_qsl(parts.query) if _is_secret(k)}
+        return tuple(s for s in found if s)

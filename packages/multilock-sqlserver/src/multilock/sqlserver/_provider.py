@@ -13,9 +13,10 @@ instance nonce) and taken up with ``renew``, which compares participant id and t
 Connections run in autocommit mode.
 
 Failure modes: a driver error or timeout raises `ProviderError` (the driver's error as
-``__cause__``, the password scrubbed). Every pyodbc call runs in a worker thread and is
-bounded by the driver's login timeout and query timeout (whole seconds, at least 1), and
-the awaiting coroutine by their sum plus one second. A cancelled call waits (within that
+``__cause__`` unless it holds a secret, which is scrubbed from every message). Every
+pyodbc call runs in a worker thread (`DriverCalls.blocking`) and is bounded by the
+driver's login timeout and query timeout (whole seconds, at least 1), and the awaiting
+coroutine by their sum plus one second. A cancelled call waits (within that
 bound) for its statement to end, so the caller resumes with the store in its final state.
 Connections are dropped when a call on them fails; a call that failed only because a
 reused idle connection was dead (the server restarted) is retried once on a fresh one (an
@@ -40,13 +41,15 @@ from datetime import UTC, datetime, timedelta
 from types import ModuleType
 from typing import Any
 
-from multilock.core import (
+from multilock.core.provider import (
     ConfigurationError,
+    DriverCalls,
     LeaderInfo,
+    LeaseBounds,
     Provider,
     ProviderError,
+    to_seconds,
 )
-from multilock.core._names import to_seconds
 
 from ._connstr import ConnString
 from ._sql import Statements, validate_identifier
@@ -56,7 +59,6 @@ __all__ = ["SqlServerProvider", "load_pyodbc", "pick_driver"]
 log = logging.getLogger(__name__)
 
 _MAX_IDLE = 4
-_MAX_LEASE = 2**31 - 1  # DATEADD(second, ...) takes an int
 _MS_DRIVER = re.compile(r"ODBC Driver (\d+) for SQL Server")
 
 
@@ -85,17 +87,13 @@ def _whole_seconds(value: float | timedelta, field: str) -> int:
     return max(1, math.ceil(to_seconds(value, field)))
 
 
-def _token(token: object) -> int:
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise ConfigurationError(f"token must be an int, not {type(token).__name__}")
-    return token
+#: DATEADD(second, ...) takes an int.
+_LEASE_BOUNDS = LeaseBounds(maximum=2**31 - 1, reason="DATEADD counts seconds in an int")
 
 
-def _lease(value: float) -> tuple[int, int]:
+def _lease(seconds: float) -> tuple[int, int]:
     """A lease as (whole seconds, microseconds), for the two DATEADDs."""
-    seconds = to_seconds(value, "lease_duration")
-    if seconds > _MAX_LEASE:
-        raise ConfigurationError(f"lease_duration must be at most {_MAX_LEASE} s")
+    _LEASE_BOUNDS.check(seconds, "SQL Server")  # a direct caller gets no overflow error
     micros = math.ceil(seconds * 1_000_000)
     return micros // 1_000_000, micros % 1_000_000
 
@@ -129,12 +127,17 @@ class SqlServerProvider(Provider):
         self._conn, _ = ConnString.parse(connection)
         self._login_timeout = _whole_seconds(login_timeout, "login_timeout")
         self._query_timeout = _whole_seconds(query_timeout, "query_timeout")
-        self._call_timeout = self._login_timeout + self._query_timeout + 1.0
         self._sql = Statements(self._schema, self._table)
         self._pyodbc = load_pyodbc()
+        self._calls = DriverCalls(
+            "sqlserver",
+            self._conn.where,
+            timeout=self._login_timeout + self._query_timeout + 1.0,
+            failures=(self._pyodbc.Error, OSError),
+            secrets=self._conn.secrets,
+        )
         self._idle: list[Any] = []
         self._lock = threading.Lock()
-        self._closed = False
         self._ready = False
         self._setup_lock = asyncio.Lock()
 
@@ -158,6 +161,10 @@ class SqlServerProvider(Provider):
 
     def __repr__(self) -> str:
         return f"<SqlServerProvider {self._conn.shown} table={self._schema}.{self._table}>"
+
+    @property
+    def lease_bounds(self) -> LeaseBounds:
+        return _LEASE_BOUNDS
 
     # -- the blocking side: runs in worker threads ------------------------------------------
 
@@ -189,7 +196,7 @@ class SqlServerProvider(Provider):
 
     def _checkout(self, fresh: bool) -> tuple[Any, bool]:
         with self._lock:
-            if self._closed:
+            if self._calls.closed:
                 raise ProviderError(f"{self!r} is closed")
             if not fresh and self._idle:
                 return self._idle.pop(), True
@@ -203,7 +210,7 @@ class SqlServerProvider(Provider):
 
     def _checkin(self, conn: Any) -> None:
         with self._lock:
-            if not self._closed and len(self._idle) < _MAX_IDLE:
+            if not self._calls.closed and len(self._idle) < _MAX_IDLE:
                 self._idle.append(conn)
                 return
         conn.close()
@@ -233,41 +240,14 @@ class SqlServerProvider(Provider):
 
     # -- the async side -----------------------------------------------------------------
 
-    def _error(self, op: str, exc: BaseException) -> ProviderError:
-        if isinstance(exc, TimeoutError):
-            detail = f"timed out after {self._call_timeout:.0f} s"
-        else:
-            detail = self._conn.scrub(str(exc).strip()) or type(exc).__name__
-        return ProviderError(f"sqlserver {op} failed on {self._conn.where}: {detail}")
-
-    async def _run(self, op: str, statement: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
-        if self._closed:
-            raise ProviderError(f"{self!r} is closed")
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, self._execute, statement, params)
-        # A thread cannot be cancelled: whatever it ends with is read here, so an outcome
-        # nobody awaits any more is not reported as "never retrieved".
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        try:
-            async with asyncio.timeout(self._call_timeout):
-                return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # Cancelled by the caller: let the statement end (the driver's timeouts bound
-            # it) so that the store is in its final state when the caller resumes.
-            await asyncio.wait([future], timeout=self._call_timeout)
-            raise
-        except ProviderError:
-            raise
-        except (self._pyodbc.Error, OSError, TimeoutError) as exc:
-            raise self._error(op, exc) from exc
-
     async def _query(self, op: str, statement: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
         if not self._ready:
             async with self._setup_lock:
                 if not self._ready:
-                    await self._run("setup", self._sql.setup, (self._schema, self._sql.table))
+                    setup = (self._schema, self._sql.table)
+                    await self._calls.blocking("setup", self._execute, self._sql.setup, setup)
                     self._ready = True
-        return await self._run(op, statement, params)
+        return await self._calls.blocking(op, self._execute, statement, params)
 
     async def try_acquire(
         self,
@@ -277,8 +257,7 @@ class SqlServerProvider(Provider):
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
         lease_s, lease_us = _lease(lease_duration)
-        meta = dict(metadata)
-        params = (group, participant_id, json.dumps(meta), lease_s, lease_us)
+        params = (group, participant_id, json.dumps(metadata), lease_s, lease_us)
         rows = await self._query("try_acquire", self._sql.acquire, params)
         if not rows:
             return None
@@ -286,7 +265,7 @@ class SqlServerProvider(Provider):
         return LeaderInfo(
             participant_id=participant_id,
             token=int(token),
-            metadata=meta,
+            metadata=metadata,
             acquired_at=_from_epoch_us(acquired_us),
         )
 
@@ -299,12 +278,11 @@ class SqlServerProvider(Provider):
         metadata: Mapping[str, str],
     ) -> bool:
         lease_s, lease_us = _lease(lease_duration)
-        meta = dict(metadata)
-        params = (lease_s, lease_us, json.dumps(meta), group, participant_id, _token(token))
+        params = (lease_s, lease_us, json.dumps(metadata), group, participant_id, token)
         return bool(await self._query("renew", self._sql.renew, params))
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        params = (group, participant_id, _token(token))
+        params = (group, participant_id, token)
         await self._query("release", self._sql.release, params)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
@@ -322,10 +300,10 @@ class SqlServerProvider(Provider):
     async def aclose(self) -> None:
         """Close the idle connections; later calls raise. Idempotent."""
         with self._lock:
-            self._closed = True
+            self._calls.closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
             try:
                 await asyncio.to_thread(conn.close)
             except self._pyodbc.Error as exc:
-                log.debug("sqlserver: closing a connection failed: %s", self._conn.scrub(str(exc)))
+                log.debug("sqlserver: closing a connection failed: %s", self._calls.scrub(str(exc)))

@@ -23,16 +23,12 @@ _EPOCH_US = "DATEDIFF_BIG(microsecond, CAST('1970-01-01' AS datetime2(7)), {})"
 
 
 def validate_identifier(value: object, field: str) -> str:
-    """Return *value* if it is a safe schema or table name, else raise ConfigurationError.
-
-    Letters, digits and ``_``, not starting with a digit, at most 128 characters.
-    """
+    """Return *value* if it is a safe schema or table name, else raise ConfigurationError."""
     if not isinstance(value, str):
         raise ConfigurationError(f"{field} must be a str, not {type(value).__name__}")
     if not _IDENTIFIER.fullmatch(value):
-        shown = value if len(value) <= 70 else value[:67] + "..."
         raise ConfigurationError(
-            f"{field} {shown!r} is invalid: use 1 to 128 ASCII letters, digits and '_', "
+            f"{field} {value[:70]!r} is invalid: use 1 to 128 ASCII letters, digits and '_', "
             "not starting with a digit"
         )
     return value
