@@ -17,6 +17,7 @@ from multilock.core.provider import (
     Observed,
     ProviderError,
     poll_watch,
+    validate_identifier,
 )
 from multilock.core.testing import FakeClock
 
@@ -370,3 +371,16 @@ def test_driver_calls_cut_the_url_secrets():
         assert info.value.__cause__ is None
 
     run(body)
+
+
+@pytest.mark.parametrize("bad", ["", "1table", "a-b", "tåble", "x" * 64, "a b", 'a"b', None])
+def test_sql_identifiers_are_checked(bad: object) -> None:
+    with pytest.raises(ConfigurationError, match="table"):
+        validate_identifier(bad, "table", max_length=63)
+
+
+def test_sql_identifier_limits_and_reserved_prefixes() -> None:
+    assert validate_identifier("_leases_2", "table", max_length=63) == "_leases_2"
+    assert validate_identifier("x" * 128, "table", max_length=128) == "x" * 128
+    with pytest.raises(ConfigurationError, match="'pg_' names are reserved"):
+        validate_identifier("pg_catalog", "schema", max_length=63, reserved_prefixes=("pg_",))

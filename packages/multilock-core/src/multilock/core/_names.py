@@ -20,6 +20,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "default_participant_id",
     "to_seconds",
+    "validate_identifier",
     "validate_metadata",
     "validate_name",
 ]
@@ -47,6 +48,33 @@ def validate_name(value: object, field: str = "group") -> str:
             f"{field} {shown!r} is invalid: use 1 to {MAX_NAME_LENGTH} characters "
             "of letters, digits, '_', '.' and '-'"
         )
+    return value
+
+
+def validate_identifier(
+    value: object, field: str, *, max_length: int, reserved_prefixes: tuple[str, ...] = ()
+) -> str:
+    """Return *value* if it is a safe SQL identifier (a schema or table name), else raise.
+
+    1 to *max_length* ASCII letters, digits and ``_``, not starting with a digit, and not
+    starting with a *reserved_prefixes* entry. Strict on purpose: names are still quoted
+    where they are used, so their case is kept as written.
+    """
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{field} must be a str, not {type(value).__name__}")
+    if not (
+        1 <= len(value) <= max_length
+        and value.isascii()
+        and not value[0].isdigit()
+        and all(c.isalnum() or c == "_" for c in value)
+    ):
+        raise ConfigurationError(
+            f"{field} {value[:70]!r} is invalid: use 1 to {max_length} ASCII letters, digits "
+            "and '_', not starting with a digit"
+        )
+    reserved = next((p for p in reserved_prefixes if value.startswith(p)), None)
+    if reserved is not None:
+        raise ConfigurationError(f"{field} {value!r} is invalid: {reserved!r} names are reserved")
     return value
 
 

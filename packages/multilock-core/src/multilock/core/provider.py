@@ -16,7 +16,8 @@ A backend imports only from here (and `multilock.core`'s public names), never fr
   of every group, waking each also when the lease it saw is due to end.
 - `poll_watch` and `Observed`: the watch of a store that cannot notify.
 - `to_seconds`, `validate_name`, `validate_metadata`: for a provider's own settings
-  (URL options, constructor arguments).
+  (URL options, constructor arguments); `validate_identifier` for SQL schema and table
+  names.
 - `redact_url` and `scrub`: a URL fit for messages, and a message without the URL's
   secrets.
 - `call_until`: await a coroutine until a deadline on the loop's clock, without waiting
@@ -26,7 +27,7 @@ A backend imports only from here (and `multilock.core`'s public names), never fr
 from ._calls import call_until
 from ._driver import DriverCalls
 from ._errors import ConfigurationError, ProviderError
-from ._names import to_seconds, validate_metadata, validate_name
+from ._names import to_seconds, validate_identifier, validate_metadata, validate_name
 from ._provider import LeaseBounds, Provider
 from ._types import LeaderInfo
 from ._url import redact_url, scrub
@@ -47,6 +48,7 @@ __all__ = [
     "redact_url",
     "scrub",
     "to_seconds",
+    "validate_identifier",
     "validate_metadata",
     "validate_name",
 ]

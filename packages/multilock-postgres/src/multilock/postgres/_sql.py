@@ -16,34 +16,21 @@ writes the row (delivered at its commit); a renewal sends nothing.
 from __future__ import annotations
 
 import hashlib
-import re
 from typing import LiteralString
 
 from psycopg import sql
 
-from multilock.core import ConfigurationError
+from multilock.core.provider import validate_identifier as _validate_identifier
 
 __all__ = ["Statements", "channel_name", "validate_identifier"]
 
 #: PostgreSQL truncates identifiers to 63 bytes; ASCII only, so characters are bytes.
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 
 def validate_identifier(value: object, field: str) -> str:
-    """Return *value* if it is a safe schema or table name, else raise ConfigurationError.
-
-    Strict on purpose (names are still quoted, so case is kept as written).
-    """
-    if not isinstance(value, str):
-        raise ConfigurationError(f"{field} must be a str, not {type(value).__name__}")
-    if not _IDENTIFIER.fullmatch(value):
-        raise ConfigurationError(
-            f"{field} {value[:70]!r} is invalid: use 1 to 63 ASCII letters, digits and '_', "
-            "not starting with a digit"
-        )
-    if field == "schema" and value.startswith("pg_"):
-        raise ConfigurationError(f"schema {value!r} is invalid: 'pg_' names are reserved")
-    return value
+    """A schema or table name PostgreSQL accepts unquoted (63 bytes, no ``pg_`` schema)."""
+    reserved = ("pg_",) if field == "schema" else ()
+    return _validate_identifier(value, field, max_length=63, reserved_prefixes=reserved)
 
 
 def channel_name(schema: str, table: str) -> str:

@@ -10,28 +10,18 @@ the statement, so two sessions can neither both see "free" nor both insert the f
 
 from __future__ import annotations
 
-import re
-
-from multilock.core import ConfigurationError
+from multilock.core.provider import validate_identifier as _validate_identifier
 
 __all__ = ["Statements", "quote_identifier", "validate_identifier"]
 
 #: SQL Server identifiers are at most 128 characters; ASCII only, on purpose.
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 #: Microseconds from the Unix epoch: the same integer from every ODBC driver.
 _EPOCH_US = "DATEDIFF_BIG(microsecond, CAST('1970-01-01' AS datetime2(7)), {})"
 
 
 def validate_identifier(value: object, field: str) -> str:
-    """Return *value* if it is a safe schema or table name, else raise ConfigurationError."""
-    if not isinstance(value, str):
-        raise ConfigurationError(f"{field} must be a str, not {type(value).__name__}")
-    if not _IDENTIFIER.fullmatch(value):
-        raise ConfigurationError(
-            f"{field} {value[:70]!r} is invalid: use 1 to 128 ASCII letters, digits and '_', "
-            "not starting with a digit"
-        )
-    return value
+    """A schema or table name of at most 128 characters (SQL Server's sysname)."""
+    return _validate_identifier(value, field, max_length=128)
 
 
 def quote_identifier(name: str) -> str:
