@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -299,3 +300,49 @@ async def test_a_watch_breaks_on_restart_and_a_new_one_works(etcd_server: BaseSe
         async with asyncio.timeout(5):
             await anext(again)  # the release
         await again.aclose()  # type: ignore[attr-defined]
+
+
+def watch_metrics(etcd_server: BaseServer) -> dict[str, float]:
+    """The etcd server's own count of watch streams and watchers (its /metrics page)."""
+    parts = urlsplit(etcd_server.url)
+    with urllib.request.urlopen(f"http://{parts.hostname}:{parts.port}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    wanted = ("etcd_debugging_mvcc_watch_stream_total", "etcd_debugging_mvcc_watcher_total")
+    found = {}
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            found[name.removeprefix("etcd_debugging_mvcc_")] = float(value)
+    assert set(found) == {"watch_stream_total", "watcher_total"}, found
+    return found
+
+
+async def test_many_watches_share_one_etcd_watch(etcd_server: BaseServer) -> None:
+    """50 groups, 3 watches on one of them, on one provider: one watch stream and one
+    watcher on the server; a release wakes that group's watches."""
+    groups = [group() for _ in range(50)]
+    before = await asyncio.to_thread(watch_metrics, etcd_server)
+    async with EtcdProvider.from_url(etcd_server.url, timeout=2.0) as provider:
+        info = await provider.try_acquire(groups[0], "p1", 30.0, {})
+        assert info is not None
+        watches = [provider.watch(g) for g in groups] + [provider.watch(groups[0]) for _ in "ab"]
+        try:
+            async with asyncio.timeout(10):
+                for watch in watches:
+                    await anext(watch)  # subscribed
+            during = await asyncio.to_thread(watch_metrics, etcd_server)
+            assert during["watch_stream_total"] - before["watch_stream_total"] == 1, during
+            assert during["watcher_total"] - before["watcher_total"] == 1, during
+            await provider.release(groups[0], "p1", info.token)
+            async with asyncio.timeout(5):
+                for watch in [watches[0], *watches[50:]]:
+                    await anext(watch)  # the release
+        finally:
+            for watch in watches:
+                await watch.aclose()  # type: ignore[attr-defined]
+
+    async def all_gone() -> bool:  # the last watch closed: the server's watch ends
+        now = await asyncio.to_thread(watch_metrics, etcd_server)
+        return now["watcher_total"] == before["watcher_total"]
+
+    await wait_for("the provider's watch to end on the server", all_gone, within=5.0)

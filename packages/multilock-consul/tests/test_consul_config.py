@@ -14,7 +14,7 @@ import requests
 
 from multilock.consul import ConsulProvider
 from multilock.consul._config import Settings, key_for, parse_address, session_ttl
-from multilock.core import ConfigurationError, ElectionOptions, ProviderError, from_url
+from multilock.core import ConfigurationError, LeaderElection, ProviderError, from_url
 
 SECRET = "9f1c-acl-s3cr3t"
 
@@ -125,22 +125,21 @@ def test_session_ttl_is_never_shorter_than_the_lease(lease: float, ttl: int) -> 
 
 @pytest.mark.parametrize("lease", [1.0, 9.99, 86400.5])
 def test_leases_outside_consul_limits_are_rejected(lease: float) -> None:
-    with pytest.raises(ConfigurationError, match=r"10\.\.86400"):
-        session_ttl(lease)
-
-
-async def test_check_options_rejects_short_leases() -> None:
     provider = ConsulProvider("consul://127.0.0.1:8500")
-    with pytest.raises(ConfigurationError, match="lease_duration >= 10"):
-        provider.check_options(ElectionOptions(lease_duration=5.0))
-    with pytest.raises(ConfigurationError, match="86400"):
-        provider.check_options(ElectionOptions(lease_duration=100000.0))
-    provider.check_options(ElectionOptions(lease_duration=10.0))
-    provider.check_options(ElectionOptions(lease_duration=timedelta(minutes=1)))
-    # The provider's own methods refuse them too, before any I/O.
-    with pytest.raises(ConfigurationError, match=r"10\.\.86400"):
-        await provider.try_acquire("g", "p1", 1.0, {})
-    await provider.aclose()
+    with pytest.raises(ConfigurationError, match=r"10 to 86400 s \(a Consul session TTL"):
+        provider.lease_bounds.check(lease)
+
+
+@pytest.mark.parametrize("lease", [10.0, 86400, timedelta(minutes=1)])
+def test_leases_within_consul_limits_are_accepted(lease: float | timedelta) -> None:
+    provider = ConsulProvider("consul://127.0.0.1:8500")
+    LeaderElection(provider, group="g", lease_duration=lease)
+
+
+def test_an_election_with_a_short_lease_is_refused_before_it_runs() -> None:
+    provider = ConsulProvider("consul://127.0.0.1:8500")
+    with pytest.raises(ConfigurationError, match="out of range"):
+        LeaderElection(provider, group="g", lease_duration=5.0)
 
 
 async def test_unreachable_agent_raises_provider_error_quickly_without_the_token() -> None:

@@ -44,6 +44,9 @@ class FakeConsul:
         self.http = type("Http", (), {"host": "fake", "port": 8500, "scheme": "http"})()
         self.token: str | None = None
         self.put_hook: Any = None
+        #: Blocking queries started, per key, and an event set as each one starts.
+        self.blocking: dict[str, int] = {}
+        self.query_started = threading.Event()
 
     def _write(self, key: str) -> int:
         self.last = next(self.index)
@@ -56,8 +59,10 @@ class FakeConsul:
     ) -> tuple[str, dict[str, Any] | None]:
         with self.cond:
             if index:
+                self.blocking[key] = self.blocking.get(key, 0) + 1
+                self.query_started.set()
                 seconds = float(wait.removesuffix("s")) if wait else 300.0
-                self.cond.wait_for(lambda: self.changed.get(key, 0) != index, seconds)
+                self.cond.wait_for(lambda: self.changed.get(key, index) != index, seconds)
             entry = self.keys.get(key)
             return str(self.changed.get(key, self.last)), dict(entry) if entry else None
 
@@ -308,6 +313,28 @@ async def test_watch_wakes_on_release_and_acquire(fake: FakeConsul) -> None:
     await watch.aclose()
 
 
+async def test_watches_of_one_group_share_one_blocking_query_loop(fake: FakeConsul) -> None:
+    """Three watches of one group on one provider: one loop of blocking queries, whose
+    wake-up reaches all three."""
+    p = provider_on(fake)
+    watches = [p.watch("g") for _ in range(3)]
+    async with asyncio.timeout(5):
+        for watch in watches:
+            await anext(watch)  # subscribed
+    woken = [asyncio.ensure_future(anext(watch)) for watch in watches]
+    assert await asyncio.to_thread(fake.query_started.wait, 5)
+    info = await provider_on(fake).try_acquire("g", "p1", LEASE, {})
+    assert info is not None
+    async with asyncio.timeout(5):
+        await asyncio.gather(*woken)
+    # The query the acquire ended, and perhaps the next one: never one per watch.
+    assert fake.blocking["multilock/g"] <= 2, fake.blocking
+    for watch in watches:
+        await watch.aclose()  # type: ignore[attr-defined]
+    assert p._feeds.groups == frozenset(), "the group's loop outlived its last watch"
+    await p.aclose()
+
+
 async def test_a_longer_lease_mid_term_is_refused_not_dropped(fake: FakeConsul) -> None:
     p = provider_on(fake)
     info = await p.try_acquire("g", "p1", LEASE, {})
@@ -337,6 +364,15 @@ async def test_driver_errors_are_wrapped_and_scrubbed(fake: FakeConsul) -> None:
         await p.try_acquire("g", "p1", LEASE, {})
     assert secret not in str(raised.value)
     assert "lacks key:write" in str(raised.value)
+    # The driver's error holds the token: it is not chained, so no secret travels with it.
+    assert raised.value.__cause__ is None
+
+    def deny_plainly(when: str, key: str, acquire: str | None) -> None:
+        raise consul.ACLPermissionDenied(f"no key:write on {key}")
+
+    fake.put_hook = deny_plainly
+    with pytest.raises(ProviderError) as raised:
+        await p.try_acquire("g", "p1", LEASE, {})
     assert isinstance(raised.value.__cause__, consul.ACLPermissionDenied)
     with contextlib.suppress(ProviderError):
         await p.aclose()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from multilock.core import ConfigurationError, ElectionOptions, ProviderError, from_url
+from multilock.core import ConfigurationError, LeaderElection, ProviderError, from_url
 from multilock.etcd import EtcdProvider
 
 
@@ -61,11 +61,15 @@ def test_password_never_shows() -> None:
     assert "s3cret" not in str(caught.value)
 
 
-def test_check_options_refuses_leases_below_the_server_minimum() -> None:
+async def test_leases_below_the_server_minimum_are_refused() -> None:
     provider = EtcdProvider(min_lease=2)
-    provider.check_options(ElectionOptions(lease_duration=2.0))
+    assert provider.lease_bounds.minimum == 2.0
+    provider.lease_bounds.check(2.0)
     with pytest.raises(ConfigurationError, match="minimum lease TTL"):
-        provider.check_options(ElectionOptions(lease_duration=1.5))
+        provider.lease_bounds.check(1.5)
+    with pytest.raises(ConfigurationError, match="minimum lease TTL is 1 s"):
+        LeaderElection(EtcdProvider.from_url("etcd://h?min_lease=1"), group="g", lease_duration=0.5)
+    await provider.aclose()
 
 
 async def test_bad_names_fail_before_any_io() -> None:

@@ -1,7 +1,7 @@
 """Addresses, options and keys: everything `ConsulProvider` decides before any I/O.
 
 The ACL token never leaves this module in a message: errors and reprs name addresses
-through `redact_url`, and `Settings.scrub` removes the token from driver messages.
+through `redact_url`, and the provider's `DriverCalls` cut it from driver messages.
 """
 
 from __future__ import annotations
@@ -16,16 +16,15 @@ import attrs
 import requests
 
 import consul  # type: ignore[import-untyped]
-from multilock.core import ConfigurationError, redact_url
-from multilock.core._names import to_seconds
+from multilock.core.provider import ConfigurationError, LeaseBounds, redact_url, to_seconds
 
 __all__ = [
-    "check_token",
-    "check_ttl",
-    "failures",
     "DEFAULT_PREFIX",
+    "LEASE_BOUNDS",
     "MAX_TTL",
     "MIN_TTL",
+    "check_ttl",
+    "failures",
     "Settings",
     "key_for",
     "parse_address",
@@ -37,6 +36,10 @@ DEFAULT_PREFIX = "multilock"
 #: Consul's limits on a session TTL, in seconds.
 MIN_TTL = 10
 MAX_TTL = 86400
+#: The leases a session can hold: the TTL is the lease rounded up, so the same range.
+LEASE_BOUNDS = LeaseBounds(
+    minimum=MIN_TTL, maximum=MAX_TTL, reason="a Consul session TTL is 10 s to 24 h"
+)
 _SEGMENT = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 _DEFAULT_PORTS = {"http": 8500, "https": 8501}
 #: Query parameters a ``consul://`` URL may carry (keywords of `ConsulProvider`).
@@ -76,13 +79,9 @@ def session_ttl(lease_duration: float) -> int:
 
     Consul never invalidates a session before its TTL (it may wait up to twice as long),
     so a TTL of at least the lease means the store cannot free the key before the
-    holder's own deadline (which ends before ``lease_duration``) has passed.
+    holder's own deadline (which ends before ``lease_duration``) has passed. The election
+    keeps leases within `LEASE_BOUNDS`, so the TTL is one Consul accepts.
     """
-    if not MIN_TTL <= lease_duration <= MAX_TTL:
-        raise ConfigurationError(
-            f"lease_duration={lease_duration:g} s is outside what Consul sessions allow: "
-            f"the session TTL must be {MIN_TTL}..{MAX_TTL} s, so the lease must be too"
-        )
     return math.ceil(lease_duration)
 
 
@@ -207,10 +206,6 @@ class Settings:
         """The agent's address, without credentials."""
         return f"{self.scheme}://{self.host}:{self.port}"
 
-    def scrub(self, text: str) -> str:
-        """*text* with the ACL token replaced by ``***``."""
-        return text.replace(self.token, "***") if self.token else text
-
     def client(self) -> Any:
         """A new blocking py-consul client: no retries, every request bounded by ``timeout``.
 
@@ -242,9 +237,3 @@ def check_ttl(ttl: int, session_ttl: int) -> None:
             f"lease_duration grew to {ttl} s during a term whose session TTL is "
             f"{session_ttl} s; Consul cannot lengthen a session"
         )
-
-
-def check_token(token: object) -> int:
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise ConfigurationError(f"token must be an int, not {type(token).__name__}")
-    return token

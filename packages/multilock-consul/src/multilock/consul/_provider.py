@@ -16,12 +16,14 @@ that the key is still held by it with the same token. Release is ``PUT ?release=
 holds the key, ``try_acquire`` returns None and writes nothing (no session, no PUT), even
 when the holder is this provider's own session for the same participant id. Reads use
 ``?consistent``; ``get_leader`` reports only a key held by a live session, with the
-record as its term last wrote it. ``watch`` runs index-based blocking queries of at most
-``watch_wait`` s.
+record as its term last wrote it. ``watch``: one loop of index-based blocking queries
+(each at most ``watch_wait`` s) per group and provider, shared by all the group's watches
+on this provider (`Notifications`), so several elections of one group cost one loop.
 
-Failure modes: py-consul is blocking, so every call runs in this provider's own worker
-threads; each HTTP request is bounded by ``timeout`` (no retries), a call makes at most
-six. A driver error or timeout raises `ProviderError` (the driver's error as
+Failure modes: py-consul is blocking, so every call runs in a worker thread
+(`DriverCalls.blocking`), and each watched group's blocking query holds one thread of this
+provider's watch pool; each HTTP request is bounded by ``timeout`` (no retries), a call
+makes at most six. A driver error or timeout raises `ProviderError` (the driver's error as
 ``__cause__``, the ACL token scrubbed). When the reply to the acquiring PUT is lost, the
 provider keeps the term's session: the election finds the term with ``get_leader`` (by
 the instance nonce in its metadata) and takes it up with ``renew``, which renews that
@@ -36,29 +38,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 import attrs
 
 import consul  # type: ignore[import-untyped]
-from multilock.core import (
-    ConfigurationError,
+from multilock.core.provider import (
+    DriverCalls,
     LeaderInfo,
+    LeaseBounds,
+    Notifications,
     Provider,
-    ProviderError,
-    validate_name,
 )
-from multilock.core._names import to_seconds
 
 from ._config import (
-    MIN_TTL,
+    LEASE_BOUNDS,
     Settings,
-    check_token,
     check_ttl,
     failures,
     key_for,
@@ -66,15 +65,15 @@ from ._config import (
     session_ttl,
 )
 from ._record import encode, holder, leader_info
-
-if TYPE_CHECKING:
-    from multilock.core._options import ElectionOptions
+from ._watch import GroupFeeds
 
 __all__ = ["ConsulProvider"]
 
-log = logging.getLogger(__name__)
-T = TypeVar("T")
 _CONSISTENT = "consistent"
+#: The most HTTP requests one call makes (each bounded by ``timeout``).
+_REQUESTS_PER_CALL = 6
+#: Threads for blocking queries: one per watched group while its query waits.
+_WATCH_THREADS = 256
 
 
 @attrs.define
@@ -121,11 +120,22 @@ class ConsulProvider(Provider):
             )
             self._client = address
             self._owns_client = False
-        self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="multilock-consul")
+        settings = self._settings
+        self._calls = DriverCalls(
+            "consul",
+            settings.where,
+            timeout=settings.timeout * _REQUESTS_PER_CALL,
+            failures=failures(),
+            secrets=[settings.token or ""],
+        )
+        # py-consul gives a blocking query timeout + wait * 17/16 before it times out.
+        self._wait = f"{max(1, round(settings.watch_wait))}s"
+        self._query_limit = settings.timeout + settings.watch_wait * 17 / 16 + 1.0
+        self._watch_pool = ThreadPoolExecutor(_WATCH_THREADS, "multilock-consul-watch")
+        self._feeds = GroupFeeds(self._listen, f"consul watch on {settings.where}")
         self._terms: dict[tuple[str, str], _Term] = {}
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._guard = threading.Lock()
-        self._closed = False
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> ConsulProvider:
@@ -139,35 +149,11 @@ class ConsulProvider(Provider):
     def __repr__(self) -> str:
         return f"<ConsulProvider {self._settings.where} prefix={self._settings.prefix!r}>"
 
-    def check_options(self, options: ElectionOptions) -> None:
-        if options.lease_duration < MIN_TTL:
-            raise ConfigurationError(
-                f"lease_duration={options.lease_duration:g} s is too short for Consul: a "
-                f"session TTL is at least {MIN_TTL} s, so use lease_duration >= {MIN_TTL}"
-            )
-        session_ttl(options.lease_duration)
+    @property
+    def lease_bounds(self) -> LeaseBounds:
+        return LEASE_BOUNDS
 
-    # -- plumbing ------------------------------------------------------------------------
-
-    def _error(self, op: str, exc: BaseException) -> ProviderError:
-        detail = self._settings.scrub(str(exc).strip()) or type(exc).__name__
-        return ProviderError(f"consul {op} failed on {self._settings.where}: {detail}")
-
-    def _submit(self, op: str, fn: Callable[..., T], *args: Any) -> Future[T]:
-        if self._closed:
-            raise ProviderError(f"{self!r} is closed")
-        return self._executor.submit(self._guarded, op, fn, *args)
-
-    def _guarded(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return fn(*args)
-        except ConfigurationError:
-            raise
-        except failures() as exc:
-            raise self._error(op, exc) from exc
-
-    async def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.wrap_future(self._submit(op, fn, *args))
+    # -- plumbing, run in worker threads ---------------------------------------------------
 
     def _lock(self, group: str, participant_id: str) -> threading.Lock:
         with self._guard:
@@ -185,7 +171,6 @@ class ConsulProvider(Provider):
             self._client.session.destroy(term.session)
 
     def _renew_session(self, term: _Term) -> bool:
-
         try:
             self._client.session.renew(term.session)
         except consul.NotFound:
@@ -195,9 +180,17 @@ class ConsulProvider(Provider):
     # -- the operations, each run in a worker thread ---------------------------------------
 
     def _acquire(
-        self, group: str, participant_id: str, ttl: int, meta: dict[str, str]
+        self,
+        group: str,
+        participant_id: str,
+        ttl: int,
+        metadata: Mapping[str, str],
+        taken: list[LeaderInfo],
     ) -> LeaderInfo | None:
-        """Start a term with a new session if the key is free; else None, writing nothing."""
+        """Start a term with a new session if the key is free; else None, writing nothing.
+
+        The term taken is also put in *taken*, for a caller cancelled meanwhile.
+        """
         key, name = key_for(self.prefix, group), (group, participant_id)
         with self._lock(group, participant_id):
             entry = self._read(key)
@@ -217,39 +210,41 @@ class ConsulProvider(Provider):
             )
             # Kept before the PUT: if its reply is lost, renew and release still find it.
             term = self._terms[name] = _Term(session, ttl)
-            record = {"participant": participant_id, "metadata": meta}
+            record = {"participant": participant_id, "metadata": metadata}
             record["acquired_at"] = datetime.now(UTC).isoformat()
             if self._put(key, record, acquire=session):
                 entry = self._read(key)
                 if holder(entry) == session:
-                    return leader_info(entry)
+                    taken.append(leader_info(entry))
+                    return taken[0]
             self._forget(name, term)
             return None
 
-    def _update(self, key: str, entry: Any, meta: dict[str, str]) -> LeaderInfo | None:
+    def _update(self, key: str, entry: Any, metadata: Mapping[str, str]) -> LeaderInfo | None:
         """Write new metadata for the holding session's term; None if the key moved."""
         info = leader_info(entry)
-        if dict(info.metadata) == meta:
+        if info.metadata == metadata:
             return info
-        record = {"participant": info.participant_id, "metadata": meta, "token": info.token}
+        record = {"participant": info.participant_id, "metadata": metadata, "token": info.token}
         record["acquired_at"] = info.acquired_at.isoformat()
         cas = entry["ModifyIndex"]
         if not self._put(key, record, acquire=entry["Session"], cas=cas):
             return None
-        return attrs.evolve(info, metadata=meta)
+        return attrs.evolve(info, metadata=metadata)
 
     def _forget(self, name: tuple[str, str], term: _Term) -> None:
         if self._terms.get(name) is term:
             del self._terms[name]
         self._destroy(term)
 
-    def _renew(self, group: str, participant_id: str, token: int, ttl: int, meta: Any) -> bool:
+    def _renew(
+        self, group: str, participant_id: str, token: int, metadata: Mapping[str, str]
+    ) -> bool:
         key, name = key_for(self.prefix, group), (group, participant_id)
         with self._lock(group, participant_id):
             term = self._terms.get(name)
             if term is None:
                 return False
-            check_ttl(ttl, term.ttl)
             if not self._renew_session(term):
                 self._forget(name, term)
                 return False
@@ -259,7 +254,7 @@ class ConsulProvider(Provider):
                 return False
             if leader_info(entry).token != token:
                 return False
-            return self._update(key, entry, meta) is not None
+            return self._update(key, entry, metadata) is not None
 
     def _release(self, group: str, participant_id: str, token: int) -> None:
         key, name = key_for(self.prefix, group), (group, participant_id)
@@ -276,9 +271,9 @@ class ConsulProvider(Provider):
                 self._client.kv.put(key, value, release=term.session, cas=cas)
             self._forget(name, term)
 
-    def _index(self, key: str, index: int, wait: str) -> int:
-        """The key's index once it differs from *index* or *wait* has passed (0: now)."""
-        seen, _ = self._client.kv.get(key, index=index or None, wait=wait)
+    def _index(self, key: str, index: int) -> int:
+        """The key's index once it differs from *index* or the wait has passed (0: now)."""
+        seen, _ = self._client.kv.get(key, index=index or None, wait=self._wait)
         return int(seen)
 
     def _leader(self, group: str) -> LeaderInfo | None:
@@ -294,27 +289,18 @@ class ConsulProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        ttl = session_ttl(to_seconds(lease_duration, "lease_duration"))
-        meta = dict(metadata)
-        future = self._submit("try_acquire", self._acquire, group, participant_id, ttl, meta)
+        ttl = session_ttl(lease_duration)
+        taken: list[LeaderInfo] = []
         try:
-            return await asyncio.wrap_future(future)
+            return await self._calls.blocking(
+                "try_acquire", self._acquire, group, participant_id, ttl, metadata, taken
+            )
         except asyncio.CancelledError:
-            await self._undo(future, group, participant_id)
+            # The worker has finished (blocking waits for it): give back a term it took.
+            if taken:
+                with contextlib.suppress(Exception):
+                    await self.release(group, participant_id, taken[0].token)
             raise
-
-    async def _undo(
-        self, future: Future[LeaderInfo | None], group: str, participant_id: str
-    ) -> None:
-        """After a cancel: wait (bounded) for the worker; give back a term it started."""
-        if future.cancelled():
-            return  # it never ran
-        bound = self._settings.timeout * 6
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            async with asyncio.timeout(bound):
-                info = await asyncio.wrap_future(future)
-                if info is not None:
-                    await self._call("release", self._release, group, participant_id, info.token)
 
     async def renew(
         self,
@@ -324,40 +310,51 @@ class ConsulProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        ttl = session_ttl(to_seconds(lease_duration, "lease_duration"))
-        meta = dict(metadata)
-        return await self._call(
-            "renew", self._renew, group, participant_id, check_token(token), ttl, meta
+        term = self._terms.get((group, participant_id))
+        if term is not None:
+            check_ttl(session_ttl(lease_duration), term.ttl)
+        return await self._calls.blocking(
+            "renew", self._renew, group, participant_id, token, metadata
         )
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        await self._call("release", self._release, group, participant_id, check_token(token))
+        await self._calls.blocking("release", self._release, group, participant_id, token)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        return await self._call("get_leader", self._leader, group)
+        return await self._calls.blocking("get_leader", self._leader, group)
 
     def watch(self, group: str) -> AsyncIterator[None]:
         """Yield once ready, then whenever the key may have changed (blocking queries)."""
-        validate_name(group, "group")
-        return self._watch(key_for(self.prefix, group))
+        return self._feeds.watch(group)
 
-    async def _watch(self, key: str) -> AsyncIterator[None]:
-        wait = f"{max(1, round(self._settings.watch_wait))}s"
-        index = await self._call("watch", self._index, key, 0, wait)
-        yield None
+    async def _listen(self, group: str, feed: Notifications) -> None:
+        """The group's one loop of blocking queries, for all its watches on this provider."""
+        key = key_for(self.prefix, group)
+        index = await self._query(key, 0)
+        feed.ready()
         while True:
-            seen = await self._call("watch", self._index, key, index, wait)
+            seen = await self._query(key, index)
             # A smaller index means the servers' state was reset: start over from it.
             if seen != index:
                 index = seen
-                yield None
+                feed.notify(group)
+
+    async def _query(self, key: str, index: int) -> int:
+        """One blocking query, in the watch pool; a cancel leaves it to end by itself."""
+
+        async def query() -> int:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._watch_pool, self._index, key, index)
+
+        return await self._calls.call("watch", query(), limit=self._query_limit)
 
     async def aclose(self) -> None:
-        """Stop the workers and close the HTTP session; live sessions are left to expire."""
-        if self._closed:
+        """Stop the watches and close the HTTP session; live sessions are left to expire."""
+        if self._calls.closed:
             return
-        self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self._feeds.aclose()
+        self._calls.closed = True
+        self._watch_pool.shutdown(wait=False, cancel_futures=True)
         if self._owns_client:
             with contextlib.suppress(Exception):
                 self._client.http.session.close()

@@ -3,19 +3,23 @@
 Guarantees: a term is the key ``<prefix>/<group>``, created by one txn
 ``if create_revision(key) == 0 then put(key, record, lease)``, so exactly one of many
 concurrent acquires wins (etcd is linearizable). The key's lease has a TTL of
-``ceil(lease_duration)`` whole seconds, so the store never ends a term before the core's
-deadline; each renew sends one keepalive and checks that the key still exists with the
-caller's participant id and token. The token is the key's create revision: etcd revisions
-are global to the cluster and only rise, also across restarts (they live in the data
-dir), so every new term's token is larger than every earlier one. A key attached to a
-lease vanishes when the lease expires, so ``get_leader`` reports only live terms, with
-the record exactly as its term last wrote it. A live term is never joined: while the
-key exists ``try_acquire`` returns None, whoever holds it (the same participant id too:
-two processes may share one), and writes nothing; one that loses the txn race revokes
-the lease it granted. Release is a txn that deletes the key only if its create revision
-and value are still the caller's, then revokes the lease. ``watch`` uses an etcd watch on
-the key: it wakes followers on every put and delete, including the delete etcd makes
-when a lease expires.
+``ceil(lease_duration)`` whole seconds, granted just before the txn, so the store never
+ends a term before the core's deadline; each renew sends one keepalive and checks that
+the key still exists with the caller's participant id and token. The token is the key's
+create revision: etcd revisions are global to the cluster and only rise, also across
+restarts (they live in the data dir), so every new term's token is larger than every
+earlier one. A key attached to a lease vanishes when the lease expires, so
+``get_leader`` reports only live terms, with the record exactly as its term last wrote
+it. A live term is never joined: the txn writes nothing while the key exists, whoever
+holds it (the same participant id too: two processes may share one); a refused acquire
+revokes the lease it granted, and one that has seen no delete since the key was last
+written reads the key first, so it grants nothing at all. Release of a term this provider
+wrote revokes the term's lease, which etcd gives to that one key only: the key goes in the
+same raft entry, with no read first. Any other release is a txn that deletes the key only
+if its create revision and value are still the caller's. ``watch``: one etcd watch on the
+whole prefix per provider, fanned out to the watches of every group (`Notifications`); it
+wakes followers on every put and delete, including the delete etcd makes when a lease
+expires, so no expiry timer is needed.
 
 Failure modes: every failed or timed-out call raises `ProviderError` with the driver's
 error as ``__cause__`` (passwords scrubbed). Every call is bounded by ``timeout`` (no
@@ -23,53 +27,44 @@ retries: the core owns them). An acquiring txn whose reply is lost leaves a term
 caller does not know it has: the election finds it with ``get_leader`` (by the instance
 nonce in its metadata) and takes it up with ``renew``; a lease granted for a txn that
 never ran expires by itself. gRPC reconnects by itself after a server restart; a broken
-watch stream raises `ProviderError` and the core watches again later.
+watch stream raises `ProviderError` in every open watch and the core watches again later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
+from typing import Any, NamedTuple
 
 import aetcd  # type: ignore[import-untyped]
 import aetcd.rpc  # type: ignore[import-untyped]
 
-from multilock.core import (
+from multilock.core.provider import (
     ConfigurationError,
+    DriverCalls,
     LeaderInfo,
+    LeaseBounds,
+    Notifications,
     Provider,
     ProviderError,
-    validate_name,
+    to_seconds,
 )
-from multilock.core._names import to_seconds
-from multilock.core._url import redact_url
 
-if TYPE_CHECKING:
-    from multilock.core import ElectionOptions
+from ._config import CHANNEL_OPTIONS, parse_url
+from ._record import decode, encode
 
 __all__ = ["EtcdProvider"]
 
-log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-#: gRPC waits up to 120 s between reconnects by default: far longer than a lease. Retry
-#: within a second, and ping idle streams so a silently cut watch breaks in ~15 s.
-_CHANNEL_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
-    "grpc.max_reconnect_backoff_ms": 1000,
-    "grpc.keepalive_time_ms": 10_000,
-    "grpc.keepalive_timeout_ms": 5_000,
-    "grpc.keepalive_permit_without_calls": 1,
-}
-_FAILURES = (aetcd.ClientError, aetcd.rpc.RpcError, OSError, TimeoutError)
+class _Term(NamedTuple):
+    """A term this provider wrote: its owner, and the lease no other key is attached to."""
+
+    participant_id: str
+    token: int
+    lease: int
 
 
 class EtcdProvider(Provider):
@@ -103,163 +98,122 @@ class EtcdProvider(Provider):
         self._min_lease = to_seconds(min_lease, "min_lease")
         self._prefix = prefix
         self._where = f"{host}:{port}"
-        self._secret = "" if password is None else password
         self._client: Any = aetcd.Client(
             host=host,
             port=port,
             username=username,
             password=password,
             timeout=self._timeout,  # a gRPC deadline on every call (aetcd never retries)
-            options=_CHANNEL_OPTIONS,
+            options=CHANNEL_OPTIONS,
         )
-        self._closed = False
+        # The asyncio bound is a little longer, so that gRPC's own deadline error shows.
+        self._calls = DriverCalls(
+            "etcd",
+            self._where,
+            timeout=self._timeout + 1.0,
+            failures=(aetcd.ClientError, aetcd.rpc.RpcError, OSError),
+            secrets=[password or ""],
+        )
+        self._notes = Notifications(self._listen, name=f"etcd watch on {self._where}/{prefix}/")
+        #: The term this provider last wrote in each group, so release needs no read.
+        self._terms: dict[str, _Term] = {}
+        #: Watched groups whose last event was a delete: an acquire there skips its read.
+        self._freed: set[str] = set()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> EtcdProvider:
         """``etcd://[user:pass@]host[:port][/prefix][?timeout=5&min_lease=2]``."""
-        parts = urlsplit(url)
-        try:
-            port = parts.port or 2379
-        except ValueError as exc:
-            raise ConfigurationError(f"bad port in {redact_url(url)}") from exc
-        if parts.scheme != "etcd" or not parts.hostname or parts.fragment:
-            raise ConfigurationError(
-                f"an etcd URL is etcd://[user:pass@]host[:port][/prefix], not {redact_url(url)}"
-            )
-        options: dict[str, Any] = {}
-        for name, value in parse_qsl(parts.query, keep_blank_values=True):
-            if name not in ("timeout", "min_lease"):
-                raise ConfigurationError(f"unknown etcd URL parameter {name!r}")
-            try:
-                options[name] = float(value)
-            except ValueError as exc:
-                raise ConfigurationError(f"etcd URL parameter {name} is not a number") from exc
-        if parts.path.strip("/"):
-            options["prefix"] = unquote(parts.path)
-        if parts.username is not None:
-            options["username"] = unquote(parts.username)
-            options["password"] = unquote(parts.password or "")
-        options.update(kwargs)
-        return cls(parts.hostname, port, **options)
+        host, port, options = parse_url(url)
+        return cls(host, port, **(options | kwargs))
 
     def __repr__(self) -> str:
         return f"<EtcdProvider {self._where} prefix={self._prefix!r}>"
 
-    def check_options(self, options: ElectionOptions) -> None:
-        if options.lease_duration < self._min_lease:
-            raise ConfigurationError(
-                f"lease_duration {options.lease_duration} s is below this etcd server's "
-                f"minimum lease TTL of {self._min_lease} s (min_lease)"
-            )
+    @property
+    def lease_bounds(self) -> LeaseBounds:
+        return LeaseBounds(
+            minimum=self._min_lease,
+            reason=f"this etcd server's minimum lease TTL is {self._min_lease:g} s (min_lease)",
+        )
 
     # -- plumbing ---------------------------------------------------------------------
 
     def _key(self, group: str) -> bytes:
-        return f"{self._prefix}/{validate_name(group, 'group')}".encode()
-
-    async def _call(self, what: str, call: Awaitable[_T]) -> _T:
-        """Await one driver call, bounded, with its failures turned into ProviderError."""
-        if self._closed:
-            if isinstance(call, Coroutine):
-                call.close()
-            raise ProviderError("the etcd provider is closed")
-        try:
-            async with asyncio.timeout(self._timeout + 1.0):
-                return await call
-        except _FAILURES as exc:
-            detail = str(exc) or type(exc).__name__
-            if self._secret:
-                detail = detail.replace(self._secret, "***")
-            raise ProviderError(f"etcd {what} at {self._where} failed: {detail}") from exc
+        return f"{self._prefix}/{group}".encode()
 
     async def _get(self, key: bytes) -> Any:
-        return await self._call("get", self._client.get(key))
+        return await self._calls.call("get", self._client.get(key))
 
-    async def _revoke(self, lease_id: int) -> None:
+    async def _revoke(self, lease_id: int) -> bool:
+        """Revoke a lease (its keys go with it); False if it had already ended."""
+        try:
+            await self._calls.call("lease revoke", self._client.revoke_lease(lease_id))
+        except ProviderError as exc:
+            # aetcd chains the gRPC error, whose status tells "no such lease" apart.
+            cause = getattr(exc.__cause__, "__cause__", None)
+            code = cause.code() if isinstance(cause, aetcd.rpc.AioRpcError) else None
+            if code == aetcd.rpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+    async def _discard(self, lease_id: int) -> None:
         """Revoke a lease nobody needs; it expires by itself if this fails."""
         with contextlib.suppress(ProviderError):
-            await self._call("lease revoke", self._client.revoke_lease(lease_id))
-
-    @staticmethod
-    def _record(participant_id: str, metadata: Mapping[str, str], at: datetime) -> bytes:
-        body = {
-            "participant_id": participant_id,
-            "metadata": dict(metadata),
-            "acquired_at": at.isoformat(),
-        }
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-    @staticmethod
-    def _info(kv: Any) -> LeaderInfo | None:
-        """The term *kv* records, or None for a key that is not ours to read."""
-        try:
-            body = json.loads(kv.value)
-            acquired_at = datetime.fromisoformat(body["acquired_at"]).astimezone(UTC)
-            return LeaderInfo(
-                participant_id=body["participant_id"],
-                token=int(kv.create_revision),
-                metadata=dict(body["metadata"]),
-                acquired_at=acquired_at,
-            )
-        except (ValueError, KeyError, TypeError):
-            log.warning("ignoring a malformed multilock record in etcd key %r", kv.key)
-            return None
+            await self._revoke(lease_id)
 
     async def _extend(
-        self, key: bytes, kv: Any, info: LeaderInfo, ttl: int, metadata: dict[str, str]
+        self, group: str, kv: Any, info: LeaderInfo, ttl: int, metadata: Mapping[str, str]
     ) -> bool:
         """Keep the term in *kv* alive for *ttl* s more; False if it has already ended."""
-        reply = await self._call("lease keepalive", self._client.refresh_lease(kv.lease))
+        reply = await self._calls.call("lease keepalive", self._client.refresh_lease(kv.lease))
         granted = 0 if reply is None else int(reply.TTL)
         if granted <= 0:
             return False  # the lease expired or was revoked: the key is gone with it
         if granted >= ttl and metadata == info.metadata:
+            self._terms[group] = _Term(info.participant_id, info.token, kv.lease)
             return True
         # A longer lease or new metadata: rewrite the record, on a new lease if need be.
+        self._terms.pop(group, None)  # until the txn's outcome is known
         lease_id = kv.lease
         if granted < ttl:
-            lease_id = (await self._call("lease grant", self._client.lease(ttl))).id
-        tx = self._client.transactions
-        ok, _ = await self._call(
+            lease_id = (await self._calls.call("lease grant", self._client.lease(ttl))).id
+        key, tx = kv.key, self._client.transactions
+        record = encode(info.participant_id, metadata, info.acquired_at)
+        ok, _ = await self._calls.call(
             "txn",
             self._client.transaction(
                 compare=[tx.create(key) == kv.create_revision, tx.value(key) == kv.value],
-                success=[
-                    tx.put(
-                        key,
-                        self._record(info.participant_id, metadata, info.acquired_at),
-                        lease=lease_id,
-                    )
-                ],
+                success=[tx.put(key, record, lease=lease_id)],
                 failure=[],
             ),
         )
+        if ok:
+            self._terms[group] = _Term(info.participant_id, info.token, lease_id)
         if lease_id != kv.lease:
-            await self._revoke(lease_id if not ok else kv.lease)
+            await self._discard(lease_id if not ok else kv.lease)
         return bool(ok)
 
     # -- the provider -----------------------------------------------------------------
 
     async def try_acquire(
-        self,
-        group: str,
-        participant_id: str,
-        lease_duration: float,
-        metadata: Mapping[str, str],
+        self, group: str, participant_id: str, lease_duration: float, metadata: Mapping[str, str]
     ) -> LeaderInfo | None:
         key = self._key(group)
-        ttl = math.ceil(to_seconds(lease_duration, "lease_duration"))
-        if await self._get(key) is not None:
+        if group in self._freed:
+            # The watch saw the key deleted: go straight for it (a handoff's critical path).
+            self._freed.discard(group)
+        elif await self._get(key) is not None:
             # A live term, even one of this participant id: never joined, nothing written
             # (a key's lease ends it, so an existing key is a live term).
             return None
-        lease = await self._call("lease grant", self._client.lease(ttl))
-        record = self._record(participant_id, dict(metadata), datetime.now(UTC))
+        lease = await self._calls.call("lease grant", self._client.lease(math.ceil(lease_duration)))
+        record = encode(participant_id, metadata, datetime.now(UTC))
         tx = self._client.transactions
         # If the put goes through but the reply is lost, the election finds the term with
         # get_leader and takes it up with renew; a lease granted for a txn that never ran
         # expires by itself.
-        ok, responses = await self._call(
+        ok, responses = await self._calls.call(
             "txn",
             self._client.transaction(
                 compare=[tx.create(key) == 0],
@@ -268,10 +222,12 @@ class EtcdProvider(Provider):
             ),
         )
         if not ok:
-            await self._revoke(lease.id)
+            await self._discard(lease.id)
             return None
-        _, created = responses[1][0]
-        return self._info(created)
+        info = decode(responses[1][0][1])
+        if info is not None:
+            self._terms[group] = _Term(participant_id, info.token, lease.id)
+        return info
 
     async def renew(
         self,
@@ -281,23 +237,32 @@ class EtcdProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        key = self._key(group)
-        ttl = math.ceil(to_seconds(lease_duration, "lease_duration"))
-        meta = dict(metadata)
-        kv = await self._get(key)
-        info = None if kv is None else self._info(kv)
+        kv = await self._get(self._key(group))
+        info = None if kv is None else decode(kv)
         if info is None or (info.participant_id, info.token) != (participant_id, token):
             return False
-        return await self._extend(key, kv, info, ttl, meta)
+        try:
+            return await self._extend(group, kv, info, math.ceil(lease_duration), metadata)
+        except BaseException:
+            self._terms.pop(group, None)  # the key may have moved to another lease
+            raise
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
+        term = self._terms.get(group)
+        if term is not None and term[:2] == (participant_id, token):
+            # Only this term's key is attached to its lease: revoking it deletes exactly
+            # that key if it is still there, in one raft entry, and nothing otherwise.
+            await self._revoke(term.lease)
+            if self._terms.get(group) is term:
+                del self._terms[group]
+            return
         key = self._key(group)
         kv = await self._get(key)
-        info = None if kv is None else self._info(kv)
+        info = None if kv is None else decode(kv)
         if info is None or (info.participant_id, info.token) != (participant_id, token):
             return
         tx = self._client.transactions
-        ok, _ = await self._call(
+        ok, _ = await self._calls.call(
             "txn",
             self._client.transaction(
                 compare=[tx.create(key) == token, tx.value(key) == kv.value],
@@ -306,35 +271,41 @@ class EtcdProvider(Provider):
             ),
         )
         if ok:
-            await self._call("lease revoke", self._client.revoke_lease(kv.lease))
+            await self._revoke(kv.lease)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
         kv = await self._get(self._key(group))
-        return None if kv is None else self._info(kv)
+        return None if kv is None else decode(kv)
 
     def watch(self, group: str) -> AsyncIterator[None]:
-        return self._watch(self._key(group))
+        return self._notes.watch(group)
 
-    async def _watch(self, key: bytes) -> AsyncIterator[None]:
-        stream = await self._call("watch", self._client.watch(key))
+    async def _listen(self, notes: Notifications) -> None:
+        """The provider's one etcd watch, on every key under the prefix."""
+        prefix = f"{self._prefix}/".encode()
+        stream = await self._calls.call("watch", self._client.watch_prefix(prefix))
         try:
-            # A change between the caller's last look and the subscription is not seen
-            # by the stream: wake once now, so the caller looks again.
-            yield None
-            async for _ in stream:
-                yield None
-            raise ProviderError(f"the etcd watch at {self._where} ended")
-        except _FAILURES as exc:
-            raise ProviderError(f"the etcd watch at {self._where} broke: {exc}") from exc
+            notes.ready()
+            async for event in stream:
+                group = event.kv.key[len(prefix) :].decode("utf-8", "replace")
+                if event.kind == "DELETE" and group in notes.groups:
+                    self._freed.add(group)
+                else:
+                    self._freed.discard(group)
+                notes.notify(group)
+        except self._calls.failures as exc:
+            self._calls.fail("watch", exc)
         finally:
-            with contextlib.suppress(*_FAILURES, ProviderError):
+            self._freed.clear()
+            with contextlib.suppress(*self._calls.failures, ProviderError):
                 async with asyncio.timeout(self._timeout):
                     await stream.cancel()
 
     async def aclose(self) -> None:
-        if self._closed:
+        if self._calls.closed:
             return
-        self._closed = True
-        with contextlib.suppress(*_FAILURES):
+        await self._notes.aclose()
+        self._calls.closed = True
+        with contextlib.suppress(*self._calls.failures):
             async with asyncio.timeout(self._timeout):
                 await self._client.close()
