@@ -127,6 +127,9 @@ class ConsulProvider(Provider):
             timeout=settings.timeout * _REQUESTS_PER_CALL,
             failures=failures(),
             secrets=[settings.token or ""],
+            # Its own threads: the loop's default pool has few, and a Consul call can
+            # block for seconds (several HTTP requests, each with its own timeout).
+            executor=ThreadPoolExecutor(64, "multilock-consul"),
         )
         # py-consul gives a blocking query timeout + wait * 17/16 before it times out.
         self._wait = f"{max(1, round(settings.watch_wait))}s"
@@ -355,6 +358,8 @@ class ConsulProvider(Provider):
         await self._feeds.aclose()
         self._calls.closed = True
         self._watch_pool.shutdown(wait=False, cancel_futures=True)
+        if self._calls.executor is not None:
+            self._calls.executor.shutdown(wait=False)
         if self._owns_client:
             with contextlib.suppress(Exception):
                 self._client.http.session.close()

@@ -9,6 +9,7 @@ a cancellation leave the store half-written, and turn the driver's failures into
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, NoReturn, TypeVar
@@ -31,7 +32,9 @@ class DriverCalls:
     that mean "this call failed" (anything else is a bug and propagates as is). *secrets*
     (passwords, keys), and those of *url* (its password and secret query values), are cut
     from every message; a driver error whose text or chain holds one is not chained
-    either, so no secret travels in ``__cause__``.
+    either, so no secret travels in ``__cause__``. *executor* runs the blocking calls
+    (default: the loop's, which has few threads: a provider whose calls block for long,
+    or that serves many elections, passes a pool of its own).
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class DriverCalls:
         failures: tuple[type[BaseException], ...] = (OSError,),
         secrets: Iterable[str] = (),
         url: str | None = None,
+        executor: concurrent.futures.Executor | None = None,
     ) -> None:
         self.store = store
         self.where = where
@@ -50,6 +54,7 @@ class DriverCalls:
         self.failures: tuple[type[BaseException], ...] = (*failures, TimeoutError)
         found = [*secrets, *(secrets_of(url) if url is not None else ())]
         self._secrets = sorted({s for s in found if s}, key=len, reverse=True)
+        self.executor = executor
         self.closed = False
 
     def __repr__(self) -> str:
@@ -112,7 +117,7 @@ class DriverCalls:
         """
         self._check_open()
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, functools.partial(fn, *args))
+        future = loop.run_in_executor(self.executor, functools.partial(fn, *args))
         # Whatever the thread ends with is retrieved, so nobody is told "never retrieved".
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
