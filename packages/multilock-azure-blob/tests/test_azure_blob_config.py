@@ -10,7 +10,7 @@ import pytest
 
 from multilock.azure_blob import AzureBlobProvider
 from multilock.azure_blob._record import lease_seconds
-from multilock.core import ConfigurationError, ElectionOptions, ProviderError, from_url
+from multilock.core import ConfigurationError, LeaderElection, ProviderError, from_url
 
 KEY = "c2VjcmV0LWtleS1mb3ItdGVzdHMvd2l0aCtzeW1ib2xzPQ=="
 ENC_KEY = quote(KEY, safe="")
@@ -119,17 +119,20 @@ def test_short_leases_are_refused(lease: float) -> None:
 
 
 @pytest.mark.parametrize("lease", [1.0, 14.5, 60.01, 61, 3600])
-def test_check_options_refuses_leases_azure_cannot_hold(lease: float) -> None:
+def test_lease_bounds_refuse_leases_azure_cannot_hold(lease: float) -> None:
     p = AzureBlobProvider("leases", account_url="https://acct.blob.core.windows.net")
-    options = ElectionOptions(lease_duration=lease, renew_interval=lease / 4, retry_interval=0.1)
+    assert (p.lease_bounds.minimum, p.lease_bounds.maximum) == (15, 60)
     with pytest.raises(ConfigurationError, match="15 to 60"):
-        p.check_options(options)
+        p.lease_bounds.check(lease)
+    with pytest.raises(ConfigurationError, match="15 to 60"):
+        LeaderElection(p, group="g", lease_duration=lease, renew_interval=lease / 4)
 
 
 @pytest.mark.parametrize("lease", [15, 22.5, 60])
-def test_check_options_accepts_15_to_60(lease: float) -> None:
+def test_lease_bounds_accept_15_to_60(lease: float) -> None:
     p = AzureBlobProvider("leases", account_url="https://acct.blob.core.windows.net")
-    p.check_options(ElectionOptions(lease_duration=lease))
+    p.lease_bounds.check(lease)
+    LeaderElection(p, group="g", lease_duration=lease)
 
 
 async def test_invalid_input_raises_before_any_request() -> None:

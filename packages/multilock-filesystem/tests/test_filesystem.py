@@ -18,7 +18,7 @@ import pytest
 
 from multilock.core import ConfigurationError, ProviderError, from_url
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
-from multilock.filesystem import FileSystemProvider, _record
+from multilock.filesystem import FileSystemProvider, _record, _watch
 
 LEASE = 5.0
 
@@ -311,7 +311,9 @@ async def test_lock_held_by_another_thread_times_out(tmp_path: Path) -> None:
     assert await provider.get_leader("g") is None
 
 
-# The polling watch.
+# Watching: file notifications, and polling where they cannot work.
+
+NOTIFY = pytest.mark.parametrize("notify", [True, False], ids=["notify", "poll"])
 
 
 @pytest.fixture
@@ -328,44 +330,9 @@ def reads(monkeypatch: Any) -> list[str]:
     return seen
 
 
-async def test_watch_sleeps_through_renewals_and_wakes_at_expiry(
-    tmp_path: Path, reads: list[str]
-) -> None:
-    leader = FileSystemProvider(tmp_path)
-    follower = FileSystemProvider(tmp_path, poll_interval=0.02)
-    info = await leader.try_acquire("g", "p1", 0.6, {})
-    assert info is not None
-    woke: list[float] = []
-    watch = follower.watch("g")
-    assert isinstance(watch, AsyncIterator)
-
-    async def follow() -> None:
-        async for _ in watch:
-            woke.append(time.monotonic())
-
-    task = asyncio.ensure_future(follow())
-    try:
-        await wait_until(lambda: len(reads) >= 2, 2, "the watch's first read")
-        idle_reads = len(reads)
-        await asyncio.sleep(0.2)  # 10 polls of an unchanged file: stat only, no read
-        assert len(reads) == idle_reads
-        for _ in range(3):
-            assert await leader.renew("g", "p1", info.token, 0.6, {})
-            await asyncio.sleep(0.15)
-        assert woke == []  # renewals change no term
-        expires = read_json(record_path(leader, "g"))["expires_at"]
-        await wait_until(lambda: woke, 2, "the watch to wake at expiry")
-        assert expires <= woke[0] < expires + 0.25
-        assert await follower.get_leader("g") is None
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await watch.aclose()
-
-
 @contextlib.asynccontextmanager
 async def wakes(watch: AsyncIterator[None]) -> AsyncIterator[asyncio.Event]:
-    """Follow *watch* in a task; the event is set at each wake-up."""
+    """Follow *watch* in a task; the event is set at each wake-up, the first one awaited."""
     woke = asyncio.Event()
 
     async def follow() -> None:
@@ -374,46 +341,173 @@ async def wakes(watch: AsyncIterator[None]) -> AsyncIterator[asyncio.Event]:
 
     task = asyncio.ensure_future(follow())
     try:
+        async with asyncio.timeout(5):
+            await woke.wait()  # a watch yields once it is set up
+        woke.clear()
         yield woke
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        aclose = getattr(watch, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
-async def test_watch_wakes_on_acquire_and_release(tmp_path: Path) -> None:
-    provider = FileSystemProvider(tmp_path, poll_interval=0.02)
+async def woken(woke: asyncio.Event, within: float, what: str) -> None:
+    try:
+        async with asyncio.timeout(within):
+            await woke.wait()
+    except TimeoutError:
+        raise AssertionError(f"the watch did not wake within {within} s {what}") from None
+    woke.clear()
+
+
+@NOTIFY
+async def test_watch_sleeps_through_renewals_and_wakes_at_expiry(
+    tmp_path: Path, reads: list[str], notify: bool
+) -> None:
+    leader = FileSystemProvider(tmp_path)
+    follower = FileSystemProvider(tmp_path, poll_interval=0.02, notify=notify)
+    info = await leader.try_acquire("g", "p1", 0.6, {})
+    assert info is not None
+    watch = follower.watch("g")
+    assert isinstance(watch, AsyncIterator)
+    async with wakes(watch) as woke:
+        idle_reads = len(reads)
+        await asyncio.sleep(0.2)  # 10 polls of an unchanged file: stat only, no read
+        assert len(reads) == idle_reads
+        for _ in range(3):
+            assert await leader.renew("g", "p1", info.token, 0.6, {})
+            await asyncio.sleep(0.15)
+        assert not woke.is_set()  # renewals change no term
+        expires = read_json(record_path(leader, "g"))["expires_at"]
+        await woken(woke, 2, "at expiry")
+        assert expires <= time.monotonic() < expires + 0.25
+        assert await follower.get_leader("g") is None
+    await leader.aclose()
+    await follower.aclose()
+
+
+@NOTIFY
+async def test_watch_wakes_on_acquire_and_release(tmp_path: Path, notify: bool) -> None:
+    provider = FileSystemProvider(tmp_path, poll_interval=0.02, notify=notify)
+    assert provider.notify_delay == (0.0 if notify else 0.02)
     async with wakes(provider.watch("g")) as woke:
-        await asyncio.sleep(0.05)
         info = await provider.try_acquire("g", "p1", LEASE, {})
         assert info is not None
-        async with asyncio.timeout(2):
-            await woke.wait()
-        woke.clear()
+        await woken(woke, 2, "after an acquire")
         await provider.release("g", "p1", info.token)
-        async with asyncio.timeout(2):
-            await woke.wait()
+        await woken(woke, 2, "after a release")
+    await provider.aclose()
 
 
+@NOTIFY
 async def test_watch_wakes_for_a_term_that_began_and_ended_between_two_polls(
-    tmp_path: Path, reads: list[str]
+    tmp_path: Path, notify: bool
 ) -> None:
     # Free before and free after, but someone led in between: a follower whose hold-off
     # ends when another participant leads must hear of it.
-    provider = FileSystemProvider(tmp_path, poll_interval=1.0)
+    provider = FileSystemProvider(tmp_path, poll_interval=1.0, notify=notify)
     first = await provider.try_acquire("g", "p1", LEASE, {})
     assert first is not None
     await provider.release("g", "p1", first.token)
-    watch = provider.watch("g")
-    async with wakes(watch) as woke:
-        # The watch's first read sees the group free; the whole term then fits in one poll.
-        before = len(reads)
-        await wait_until(lambda: len(reads) > before, 2, "the watch's first read")
+    async with wakes(provider.watch("g")) as woke:
+        # The watch has seen the group free; the whole term then fits in one poll.
         brief = await provider.try_acquire("g", "p2", LEASE, {})
         assert brief is not None
         await provider.release("g", "p2", brief.token)
-        async with asyncio.timeout(3):
-            await woke.wait()
-    await watch.aclose()
+        await woken(woke, 3, "after a brief term")
+    await provider.aclose()
+
+
+async def test_a_release_by_another_provider_wakes_a_watch_long_before_a_poll(
+    tmp_path: Path,
+) -> None:
+    # Two providers on one directory stand for two processes: nothing in memory is
+    # shared, and with a 30 s poll interval only a file notification explains the wake.
+    leader = FileSystemProvider(tmp_path)
+    follower = FileSystemProvider(tmp_path, poll_interval=30)
+    assert follower.notify_delay == 0.0
+    info = await leader.try_acquire("g", "p1", 60, {})
+    assert info is not None
+    async with wakes(follower.watch("g")) as woke:
+        await asyncio.sleep(0.05)
+        assert not woke.is_set()
+        released = time.monotonic()
+        await leader.release("g", "p1", info.token)
+        await woken(woke, 2, "after another provider's release")
+        assert time.monotonic() - released < 2 < 30
+        assert await follower.get_leader("g") is None
+        taken = await leader.try_acquire("g", "p2", 60, {})
+        assert taken is not None
+        await woken(woke, 2, "after another provider's acquire")
+    await leader.aclose()
+    await follower.aclose()
+
+
+async def test_one_directory_watcher_serves_every_group(tmp_path: Path, monkeypatch: Any) -> None:
+    started: list[Any] = []
+    real = _watch.watchfiles.awatch
+
+    def counting(*paths: Any, **kwargs: Any) -> Any:
+        started.append(paths)
+        return real(*paths, **kwargs)
+
+    monkeypatch.setattr(_watch.watchfiles, "awatch", counting)
+    leader, follower = FileSystemProvider(tmp_path), FileSystemProvider(tmp_path)
+    groups = [f"g{i}" for i in range(20)]
+    async with contextlib.AsyncExitStack() as stack:
+        woke = {g: await stack.enter_async_context(wakes(follower.watch(g))) for g in groups}
+        assert started == [(tmp_path,)]  # one watcher, for all twenty groups
+        info = await leader.try_acquire("g7", "p1", LEASE, {})
+        assert info is not None
+        await woken(woke["g7"], 2, "after an acquire")
+        await asyncio.sleep(0.1)
+        assert [g for g in groups if woke[g].is_set()] == []  # the others slept on
+    await leader.aclose()
+    await follower.aclose()
+
+
+async def test_watch_polls_when_watchfiles_cannot_watch(tmp_path: Path, monkeypatch: Any) -> None:
+    async def refuse(*_paths: Any, **_kwargs: Any) -> AsyncIterator[Any]:
+        raise OSError("OS file watch limit reached")
+        yield  # an async generator, as awatch is
+
+    monkeypatch.setattr(_watch.watchfiles, "awatch", refuse)
+    provider = FileSystemProvider(tmp_path, poll_interval=0.05)
+    assert provider.notify_delay == 0.0
+    with pytest.raises(ProviderError, match="watch limit") as caught:
+        await anext(provider.watch("g"))
+    assert isinstance(caught.value.__cause__, OSError)
+    # The election watches again later: now it polls, and says so.
+    assert provider.notify_delay == 0.05
+    async with wakes(provider.watch("g")) as woke:
+        info = await provider.try_acquire("g", "p1", LEASE, {})
+        assert info is not None
+        await woken(woke, 2, "after an acquire, polling")
+        await provider.release("g", "p1", info.token)
+        await woken(woke, 2, "after a release, polling")
+    await provider.aclose()
+
+
+def test_a_network_file_system_is_polled(tmp_path: Path, monkeypatch: Any) -> None:
+    if sys.platform != "linux":
+        pytest.skip("mount types are read from /proc on Linux")
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\nserver:/export {tmp_path} nfs4 rw 0 0\n")
+    monkeypatch.setattr(_watch, "MOUNTS", str(mounts))
+    assert _watch.network_file_system(tmp_path / "leases") == "nfs4"
+    assert FileSystemProvider(tmp_path / "leases", poll_interval=0.3).notify_delay == 0.3
+    assert _watch.network_file_system(tmp_path.parent) is None
+
+
+def test_notify_can_be_turned_off(tmp_path: Path) -> None:
+    provider = from_url(f"file://{tmp_path}?notify=false&poll_interval=0.25")
+    assert isinstance(provider, FileSystemProvider)
+    assert provider.notify_delay == 0.25
+    assert from_url(f"file://{tmp_path}?notify=true").notify_delay == 0.0
+    with pytest.raises(ConfigurationError, match="notify"):
+        FileSystemProvider(tmp_path, notify="no")  # type: ignore[arg-type]
 
 
 # URLs.
@@ -455,6 +549,7 @@ def test_from_url_percent_encoding(tmp_path: Path) -> None:
         ("file:///tmp/x?color=blue", "unknown option"),
         ("file:///tmp/x?poll_interval=soon", "poll_interval"),
         ("file:///tmp/x?poll_interval=0", "poll_interval"),
+        ("file:///tmp/x?notify=maybe", "notify"),
     ],
 )
 def test_from_url_rejects(url: str, message: str) -> None:

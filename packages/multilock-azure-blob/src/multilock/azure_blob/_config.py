@@ -24,9 +24,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from multilock.core import ConfigurationError
-from multilock.core._names import to_seconds
-from multilock.core._url import redact_url
+from multilock.core.provider import ConfigurationError, redact_url, to_seconds
 
 __all__ = [
     "SCHEME",

@@ -28,7 +28,8 @@ scrubbed), with no driver retries (the core owns retries); 409/412 answers mean 
 else holds it" and give None / False. Azure leases last 15 to 60 whole seconds: lease
 durations are rounded up to whole seconds, shorter ones are refused, longer ones (only
 possible when calling the provider directly) take an *infinite* lease, ended only by a
-release. Deleting the blob resets its token. Azure cannot notify: `watch` polls (see there).
+release. Deleting the blob resets its token. Azure cannot notify: `watch` polls (the kit's
+`poll_watch`, see there).
 """
 
 from __future__ import annotations
@@ -36,35 +37,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from azure.core.exceptions import HttpResponseError
 
-from multilock.core import (
-    ConfigurationError,
-    LeaderInfo,
-    Provider,
-    validate_name,
-)
-from multilock.core._names import to_seconds
+from multilock.core.provider import LeaderInfo, LeaseBounds, Observed, Provider, poll_watch
 
-from ._config import (
-    parse_url,
-    seconds,
-    validate_container,
-    validate_prefix,
-)
-from ._record import MAX_LEASE, MIN_LEASE, Record, check_token, lease_seconds, tag
+from ._config import parse_url, seconds, validate_container, validate_prefix
+from ._record import MAX_LEASE, MIN_LEASE, Record, lease_seconds, tag
 from ._store import BlobStore
-
-if TYPE_CHECKING:
-    from multilock.core import ElectionOptions
 
 __all__ = ["AzureBlobProvider"]
 
@@ -73,7 +58,11 @@ log = logging.getLogger(__name__)
 #: Reads and conditional writes a release tries while its own term's writes race it.
 _RELEASE_TRIES = 3
 
-_EXPIRY_SLACK = 0.05  # poll just after the lease seen must have ended
+_BOUNDS = LeaseBounds(
+    minimum=MIN_LEASE,
+    maximum=MAX_LEASE,
+    reason="Azure blob leases last 15 to 60 s, rounded up to whole seconds",
+)
 
 
 class AzureBlobProvider(Provider):
@@ -123,14 +112,10 @@ class AzureBlobProvider(Provider):
     def __repr__(self) -> str:
         return f"<AzureBlobProvider {self._store.where} prefix={self._prefix!r}>"
 
-    def check_options(self, options: ElectionOptions) -> None:
-        """Refuse leases Azure cannot hold: 15 to 60 s (rounded up to whole seconds)."""
-        lease = to_seconds(options.lease_duration, "lease_duration")
-        if not MIN_LEASE <= math.ceil(lease) <= MAX_LEASE or lease < MIN_LEASE:
-            raise ConfigurationError(
-                f"lease_duration={lease:g} s is out of range for Azure Blob: blob leases "
-                f"last {MIN_LEASE} to {MAX_LEASE} s (rounded up to whole seconds)"
-            )
+    @property
+    def lease_bounds(self) -> LeaseBounds:
+        """Azure's blob leases: 15 to 60 s (rounded up to whole seconds)."""
+        return _BOUNDS
 
     def _lease_id(self, group: str, participant: str) -> str:
         return str(uuid.uuid5(self._namespace, f"{group}/{participant}"))
@@ -139,7 +124,7 @@ class AzureBlobProvider(Provider):
 
     @property
     def notify_delay(self) -> float:
-        """Followers notice a release at their next poll."""
+        """Up to ``poll_interval``: a release shows at the watch's next read of the blob."""
         return self._poll
 
     async def try_acquire(
@@ -149,9 +134,7 @@ class AzureBlobProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        lease = lease_duration
-        seconds = lease_seconds(lease)
-        meta = dict(metadata)
+        seconds = lease_seconds(lease_duration)
         await self._store.ensure_container()
         record = await self._store.read(group)
         if record.etag is None:
@@ -162,7 +145,9 @@ class AzureBlobProvider(Provider):
             return None  # held, whoever holds it: a live term is never shared
         lease_id = self._lease_id(group, participant_id)
         now = datetime.now(UTC).isoformat()
-        new = Record(participant_id, record.token + 1, meta, now, tag(lease_id), lease)
+        new = Record(
+            participant_id, record.token + 1, dict(metadata), now, tag(lease_id), lease_duration
+        )
         try:
             # Record first, then the lease on exactly that record: a leased blob's record
             # always names its holder. Writing without a lease id fails on a leased blob.
@@ -187,10 +172,7 @@ class AzureBlobProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        token = check_token(token)
-        lease = lease_duration
-        seconds = lease_seconds(lease)
-        meta = dict(metadata)
+        seconds = lease_seconds(lease_duration)
         lease_id = self._lease_id(group, participant_id)
         record = await self._store.read(group)
         if not self._holds(record, participant_id, token, lease_id):
@@ -199,7 +181,7 @@ class AzureBlobProvider(Provider):
         if not await self._store.take_lease(group, lease_id, seconds, record.etag):
             return False
         # Written on every renew: the new ETag tells watchers the lease was extended.
-        new = attrs.evolve(record, metadata=meta, lease_duration=lease)
+        new = attrs.evolve(record, metadata=dict(metadata), lease_duration=lease_duration)
         try:
             await self._store.write(group, new, lease_id, record.etag)
         except HttpResponseError:
@@ -207,7 +189,6 @@ class AzureBlobProvider(Provider):
         return True
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        token = check_token(token)
         lease_id = self._lease_id(group, participant_id)
         # A failed write means the record changed since it was read: by a takeover (then
         # the term is not ours to release), or by a write of this very term (its renew
@@ -241,38 +222,21 @@ class AzureBlobProvider(Provider):
         return record.info()
 
     def watch(self, group: str) -> AsyncIterator[None]:
-        """Poll every ``poll_interval``; yield once at the start, then when the leader or
-        lease status changes, and when the lease seen is due to expire.
+        """Poll every ``poll_interval``; yield at the first read, then when the leader or
+        the lease status changes, and when the lease seen is due to expire.
 
         Expiry is tracked on the local monotonic clock: each renew rewrites the record, so
         a lease whose record (ETag) stayed the same for ``lease_duration`` since this
-        watch first saw it has ended; the watch polls right then and yields.
+        watch first saw it has ended; the watch reads right then and yields.
         """
-        validate_name(group, "group")
-        return self._watch(group)
 
-    async def _watch(self, group: str) -> AsyncIterator[None]:
-        yield None
-        last: tuple[bool, str | None, int] | None = None
-        seen: tuple[str | None, bool] | None = None
-        due = math.inf
-        while True:
+        async def read() -> Observed:
             record = await self._store.read(group)
-            now = time.monotonic()
-            state = (record.locked, record.participant, record.token)
-            if (record.etag, record.locked) != seen:
-                seen = (record.etag, record.locked)
-                # Written no later than now, so the lease behind it ends by now + lease.
-                due = now + record.lease_duration if record.locked else math.inf
-            if last is not None and state != last:
-                last = state
-                yield None
-            elif record.locked and now >= due:
-                due = now + record.lease_duration  # renewed without a write: wait one more
-                yield None
-            last = state
-            wake = min(now + self._poll, due + _EXPIRY_SLACK)
-            await asyncio.sleep(max(wake - time.monotonic(), 0.0))
+            holder = (record.locked, record.participant, record.token)
+            expires_in = record.lease_duration if record.locked else None
+            return Observed(holder, (record.etag, record.locked), expires_in)
+
+        return poll_watch(read, self._poll)
 
     async def aclose(self) -> None:
         """Close the HTTP session; later calls raise. Idempotent."""

@@ -9,10 +9,9 @@ from datetime import datetime
 
 import attrs
 
-from multilock.core import ConfigurationError, LeaderInfo
-from multilock.core._names import to_seconds
+from multilock.core.provider import ConfigurationError, LeaderInfo, to_seconds
 
-__all__ = ["MAX_LEASE", "MIN_LEASE", "Record", "check_token", "lease_seconds", "tag"]
+__all__ = ["MAX_LEASE", "MIN_LEASE", "Record", "lease_seconds", "tag"]
 
 MIN_LEASE = 15
 MAX_LEASE = 60
@@ -61,9 +60,3 @@ class Record:
 def tag(lease_id: str) -> str:
     """What the record keeps of a lease id: enough to recognise it, not to use it."""
     return hashlib.sha256(lease_id.encode()).hexdigest()[:16]
-
-
-def check_token(token: object) -> int:
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise ConfigurationError(f"token must be an int, not {type(token).__name__}")
-    return token

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -17,7 +16,7 @@ from azure.core.exceptions import (
 )
 from azure.storage.blob.aio import BlobClient, BlobLeaseClient, ContainerClient
 
-from multilock.core import ConfigurationError, ProviderError
+from multilock.core.provider import ConfigurationError, DriverCalls, ProviderError
 
 from ._config import secrets_of_connection_string, secrets_of_credential
 from ._record import Record
@@ -25,7 +24,18 @@ from ._record import Record
 __all__ = ["BlobStore"]
 
 T = TypeVar("T")
-_REDACTED = "***"
+
+
+class _Failed(Exception):
+    """A failed request, told in the first line of the driver's message."""
+
+
+class _Answer(Exception):
+    """An expected status (404, 409, 412): an answer, carried past `DriverCalls`."""
+
+    def __init__(self, error: HttpResponseError) -> None:
+        super().__init__(error.status_code)
+        self.error = error
 
 
 class BlobStore:
@@ -50,36 +60,34 @@ class BlobStore:
         self.timeout = timeout
         if (connection_string is None) == (account_url is None):
             raise ConfigurationError("give exactly one of connection_string and account_url")
-        self._secrets: list[str] = []
         options: dict[str, Any] = {
             "retry_total": 0,  # the core owns retries
             "connection_timeout": timeout,
             "read_timeout": timeout,
             **client_kwargs,
         }
+        if connection_string is not None:
+            secrets = secrets_of_connection_string(connection_string)
+        else:
+            secrets = secrets_of_credential(credential)
+        self.calls = DriverCalls(
+            "azure blob", "Azure", timeout=timeout, failures=(_Failed,), secrets=secrets
+        )
         try:
             if connection_string is not None:
-                self._secrets = secrets_of_connection_string(connection_string)
                 self.client = ContainerClient.from_connection_string(
                     connection_string, container, credential=credential, **options
                 )
             else:
-                self._secrets = secrets_of_credential(credential)
                 self.client = ContainerClient(
                     str(account_url), container, credential=credential, **options
                 )
         except (ValueError, TypeError) as exc:
             raise ConfigurationError(
-                f"invalid Azure Blob settings: {self.scrub(str(exc))}"
+                f"invalid Azure Blob settings: {self.calls.scrub(str(exc))}"
             ) from None
-        self.where = self.client.primary_endpoint.split("?")[0]
+        self.where = self.calls.where = self.client.primary_endpoint.split("?")[0]
         self._container_ready = False
-        self.closed = False
-
-    def scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, _REDACTED)
-        return text
 
     async def call(
         self, op: str, call: Callable[[], Awaitable[T]], expected: tuple[int, ...] = ()
@@ -88,24 +96,21 @@ class BlobStore:
 
         An expected status (404, 409, 412) is an answer, re-raised as the driver's error.
         """
-        if self.closed:
-            raise ProviderError(f"the provider for {self.where} is closed")
-        try:
-            async with asyncio.timeout(self.timeout):
-                return await call()
-        except HttpResponseError as exc:
-            if exc.status_code in expected:
-                raise
-            raise self._error(op, exc) from exc
-        except (AzureError, OSError, TimeoutError) as exc:
-            raise self._error(op, exc) from exc
 
-    def _error(self, op: str, exc: BaseException) -> ProviderError:
-        if isinstance(exc, TimeoutError):
-            detail = f"timed out after {self.timeout:g} s"
-        else:
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return ProviderError(f"azure blob {op} failed on {self.where}: {self.scrub(detail)}")
+        async def answered() -> T:
+            try:
+                return await call()
+            except HttpResponseError as exc:
+                if exc.status_code in expected:
+                    raise _Answer(exc) from None
+                raise _Failed(_first_line(exc)) from exc
+            except (AzureError, OSError) as exc:
+                raise _Failed(_first_line(exc)) from exc
+
+        try:
+            return await self.calls.call(op, answered())
+        except _Answer as answer:
+            raise answer.error from None
 
     def blob(self, group: str) -> BlobClient:
         return self.client.get_blob_client(self.prefix + group)
@@ -186,6 +191,11 @@ class BlobStore:
             )
 
     async def aclose(self) -> None:
-        if not self.closed:
-            self.closed = True
+        if not self.calls.closed:
+            self.calls.closed = True
             await self.client.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

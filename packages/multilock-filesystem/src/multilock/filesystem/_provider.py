@@ -5,8 +5,9 @@ Store: one JSON record per group, ``<group>.lease.json``, next to its lock file
 names get a hash suffix, so case-insensitive file systems never merge two groups).
 Every operation takes the `filelock` lock of its group, reads the record, decides and,
 if it changes anything, writes ``<group>.lease.json.tmp``, fsyncs it, renames it over the
-record with `os.replace` and fsyncs the directory. Readers therefore see the old record
-or the new one, never a mix, and a crash mid-write leaves only the temp file behind.
+record with `os.replace` and, when the token rose, fsyncs the directory. Readers therefore
+see the old record or the new one, never a mix, and a crash mid-write leaves only the
+temp file behind.
 
 Guarantees:
 
@@ -28,9 +29,12 @@ Guarantees:
 - Cancellation: a call cancelled before its worker thread takes the lock does nothing;
   one cancelled later completes in its thread, so whoever locks next sees its write (the
   election finds such a term with ``get_leader``, by its metadata).
-- `watch` polls the record's `os.stat` every ``poll_interval`` and reads the record only
-  when it changed; it wakes followers on a new term or release, and exactly when the
-  observed lease is due to expire.
+- `watch` wakes followers on a new term or a release, and exactly when the lease they
+  saw is due to expire; never on a renewal. One `watchfiles` watcher per provider
+  (inotify, FSEvents, ReadDirectoryChangesW) serves the watches of every group; where it
+  cannot work (a network file system, ``notify=False``, watchfiles failing to start)
+  `watch` polls the record's `os.stat` every ``poll_interval`` instead, and reads the
+  record only when that changed.
 
 Failure modes: a crashed holder's lease stays until it expires (the kernel frees its
 lock at once). A record that cannot be parsed (corrupt, truncated, edited by hand) makes
@@ -43,39 +47,44 @@ locks and rename semantics vary and their hosts do not share a monotonic clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
-from urllib.parse import parse_qsl, urlsplit
-from urllib.request import url2pathname
+from typing import Any, NamedTuple, TypeVar, cast
 
 from filelock import FileLock, Timeout
 
-from multilock.core import (
+from multilock.core.provider import (
     ConfigurationError,
     LeaderInfo,
+    Notifications,
+    Observed,
     Provider,
     ProviderError,
-    redact_url,
-    validate_name,
+    to_seconds,
 )
-from multilock.core._names import to_seconds
 
 from ._record import Record, new_lease, parse, write_atomic
+from ._url import parse_url
+from ._watch import RECORD_SUFFIX, listen, network_file_system, poll_record
 
 __all__ = ["FileSystemProvider"]
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
+#: How often a call retries a lock held by another (s): sections under it last about 1 ms.
+_LOCK_POLL = 0.001
 _WINDOWS_DEVICES = frozenset(
     {"con", "prn", "aux", "nul"} | {f"{p}{i}" for p in ("com", "lpt") for i in range(10)}
 )
-_URL_OPTIONS = frozenset({"poll_interval", "lock_timeout"})
 
 
 class _Abandoned(Exception):
@@ -97,8 +106,10 @@ class FileSystemProvider(Provider):
     """Keep each group's lease in a file under *directory* (created if missing).
 
     Correct across the processes of one machine; not across machines (see the module
-    docstring). ``poll_interval`` is how often `watch` checks the record for changes;
-    ``lock_timeout`` bounds the wait for a group's file lock.
+    docstring). ``notify`` (default True) lets `watch` wake on the OS's file
+    notifications; ``poll_interval`` is how often `watch` checks the record instead when
+    it cannot (``notify=False``, a network file system); ``lock_timeout`` bounds the wait
+    for a group's file lock.
     """
 
     def __init__(
@@ -107,10 +118,13 @@ class FileSystemProvider(Provider):
         *,
         poll_interval: float | timedelta = 0.5,
         lock_timeout: float | timedelta = 5.0,
+        notify: bool = True,
     ) -> None:
         path = os.fspath(directory) if isinstance(directory, str | os.PathLike) else None
         if not isinstance(path, str) or not path:
             raise ConfigurationError("directory must be a non-empty str or os.PathLike[str]")
+        if not isinstance(notify, bool):
+            raise ConfigurationError(f"notify must be True or False, not {notify!r}")
         self._poll_interval = to_seconds(poll_interval, "poll_interval")
         self._lock_timeout = to_seconds(lock_timeout, "lock_timeout")
         self._directory = Path(os.path.abspath(path))
@@ -120,39 +134,25 @@ class FileSystemProvider(Provider):
             raise ConfigurationError(
                 f"cannot use {str(self._directory)!r} as the lease directory: {exc}"
             ) from exc
+        self._notify = notify
+        if notify and (kind := network_file_system(self._directory)) is not None:
+            log.info("%s is on %s, which cannot notify: watches poll", self._directory, kind)
+            self._notify = False
+        #: Record file name -> group, for every group watched: the listener's map.
+        self._groups: dict[str, str] = {}
+        #: Group -> the term (holder, last token) its watches were last woken for.
+        self._terms: dict[str, Hashable] = {}
+        #: Group -> when its lease ends (monotonic; None: free), as the listener last read.
+        self._ends: dict[str, float | None] = {}
+        self._notifications = Notifications(
+            self._listen, name=f"filesystem {self._directory}", expires_in=self._expires_in
+        )
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> FileSystemProvider:
-        """Build from ``file:///absolute/path[?poll_interval=0.5&lock_timeout=5]``."""
-        parts = urlsplit(url)
-        shown = redact_url(url)
-        if parts.scheme.lower() != "file":
-            raise ConfigurationError(f"{shown!r} is not a file:// URL")
-        if parts.netloc not in ("", "localhost"):
-            raise ConfigurationError(
-                f"file URL {shown!r} names the host {parts.netloc!r}: a file URL takes an "
-                "absolute path after three slashes, file:///absolute/path; relative paths "
-                "and remote hosts are not supported"
-            )
-        path = url2pathname(parts.path)
-        if parts.fragment or not path or not os.path.isabs(path):
-            raise ConfigurationError(
-                f"file URL {shown!r} needs an absolute directory path: file:///absolute/path"
-            )
-        for key, value in parse_qsl(parts.query, keep_blank_values=True):
-            if key not in _URL_OPTIONS:
-                raise ConfigurationError(
-                    f"unknown option {key!r} in file URL; known: {', '.join(sorted(_URL_OPTIONS))}"
-                )
-            if key in kwargs:
-                raise ConfigurationError(f"{key} is given both in the URL and as a keyword")
-            try:
-                kwargs[key] = float(value)
-            except ValueError:
-                raise ConfigurationError(
-                    f"{key} in file URL must be seconds, got {value!r}"
-                ) from None
-        return cls(path, **kwargs)
+        """Build from ``file:///absolute/path[?poll_interval=0.5&lock_timeout=5&notify=true]``."""
+        path, options = parse_url(url, kwargs)
+        return cls(path, **options)
 
     @property
     def directory(self) -> Path:
@@ -163,12 +163,12 @@ class FileSystemProvider(Provider):
         return f"<FileSystemProvider directory={str(self._directory)!r}>"
 
     def _paths(self, group: str) -> _Paths:
-        stem = validate_name(group, "group")
+        stem = group
         if len(stem) > 200 or stem != stem.lower() or stem.split(".")[0] in _WINDOWS_DEVICES:
             stem = f"{stem[:160]}~{hashlib.sha256(group.encode()).hexdigest()[:16]}"
-        if os.sep in stem or (os.altsep and os.altsep in stem):  # validate_name forbids them
+        if os.sep in stem or (os.altsep and os.altsep in stem):  # valid names have none
             raise ConfigurationError(f"group {group!r} cannot be a file name")
-        record = self._directory / f"{stem}.lease.json"
+        record = self._directory / f"{stem}{RECORD_SUFFIX}"
         return _Paths(record, record.with_name(f"{stem}.lease.lock"), Path(f"{record}.tmp"))
 
     # Worker-thread side: everything here blocks.
@@ -176,13 +176,15 @@ class FileSystemProvider(Provider):
     def _transact(self, group: str, step: _Step[T], abandoned: threading.Event) -> T:
         paths = self._paths(group)
         try:
-            with FileLock(paths.lock, timeout=self._lock_timeout):
+            lock = FileLock(paths.lock, timeout=self._lock_timeout)
+            with lock.acquire(poll_interval=_LOCK_POLL):
                 if abandoned.is_set():
                     raise _Abandoned
                 record = self._read(paths.record, group)
                 new, result = step(record, time.monotonic())
                 if new is not None:
-                    write_atomic(paths.record, paths.temp, new.dump(group))
+                    raised = record is None or new.token != record.token
+                    write_atomic(paths.record, paths.temp, new.dump(group), durable=raised)
                 return result
         except Timeout as exc:
             raise ProviderError(
@@ -219,8 +221,8 @@ class FileSystemProvider(Provider):
 
     @property
     def notify_delay(self) -> float:
-        """Followers notice a release at their next poll."""
-        return self._poll_interval
+        """0 while file notifications wake the followers; else the poll interval."""
+        return 0.0 if self._notify else self._poll_interval
 
     async def try_acquire(
         self,
@@ -229,14 +231,12 @@ class FileSystemProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        lease = lease_duration
-        meta = dict(metadata)
-
         def step(record: Record | None, now: float) -> tuple[Record | None, LeaderInfo | None]:
             if record is not None and record.is_live(now):
                 return None, None  # held, whoever holds it: a live term is never shared
             token = (record.token if record is not None else 0) + 1
-            new = new_lease(token, participant_id, meta, datetime.now(UTC), now + lease)
+            expires_at = now + lease_duration
+            new = new_lease(token, participant_id, dict(metadata), datetime.now(UTC), expires_at)
             return new, new.info()
 
         return await self._run(group, step)
@@ -249,97 +249,137 @@ class FileSystemProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        lease = lease_duration
-        meta = dict(metadata)
-
         def step(record: Record | None, now: float) -> tuple[Record | None, bool]:
-            if not _holds(record, now, participant_id, token):
+            if record is None or not _holds(record, now, participant_id, token):
                 return None, False
-            assert record is not None
             assert record.acquired_at is not None
-            return new_lease(token, participant_id, meta, record.acquired_at, now + lease), True
+            expires_at = now + lease_duration
+            return new_lease(
+                token, participant_id, dict(metadata), record.acquired_at, expires_at
+            ), True
 
         return await self._run(group, step)
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-
         def step(record: Record | None, now: float) -> tuple[Record | None, None]:
-            if not _holds(record, now, participant_id, token):
+            if record is None or not _holds(record, now, participant_id, token):
                 return None, None
             return Record(token), None  # keep the file and its token: tokens keep rising
 
         await self._run(group, step)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        record = await self._run(group, _unchanged)
+        record = await self._run(group, _live)
         return record.info() if record is not None else None
 
-    def watch(self, group: str) -> AsyncGenerator[None, None]:
-        """Poll the record's `os.stat` every ``poll_interval``; wake at the observed expiry.
+    def watch(self, group: str) -> AsyncIterator[None]:
+        """Wake on a new term or a release, and when the lease seen is due to expire.
 
-        The record is read (under the lock) only when its inode, size or times change,
-        and the iterator yields only when the live term (holder, token) or the group's
-        last token changed, or when the observed lease is due to expire. A renewal wakes
-        nobody; a term that began and ended between two polls does (release keeps the
-        token, so "free, then free again" with a higher token means someone led).
+        With notifications, the provider's one directory watcher wakes the group's
+        watches; without, the record's `os.stat` is polled every ``poll_interval`` and
+        the record read only when that changed. Either way a renewal wakes nobody, and a
+        term that began and ended unseen does (release keeps the token, so "free, then
+        free again" with a higher token means someone led).
         """
-        self._paths(group)  # validates the name now, not at the first iteration
-        return self._watch(group)
+        paths = self._paths(group)
+        if not self._notify:
+            return poll_record(paths.record, self._observe(group), self._poll_interval)
+        self._groups[paths.record.name] = group
+        return self._notified(group)
 
-    async def _watch(self, group: str) -> AsyncGenerator[None, None]:
-        path = self._paths(group).record
-        seen = await asyncio.to_thread(_stat, path)
-        live, token = await self._run(group, _observed)
-        while True:
-            expires = None if live is None else live.expires_at
-            wait = self._poll_interval
-            if expires is not None:
-                wait = min(wait, max(0.0, expires - time.monotonic()))
-            await asyncio.sleep(wait)
-            if expires is not None and time.monotonic() >= expires:
-                live = None
-                yield None  # the lease we saw is due to expire: wake the follower now
-                continue
-            signature = await asyncio.to_thread(_stat, path)
-            if signature == seen:
-                continue
-            seen = signature
-            now_live, now_token = await self._run(group, _observed)
-            changed = (_term(now_live), now_token) != (_term(live), token)
-            live, token = now_live, now_token
-            if changed:
+    async def aclose(self) -> None:
+        """Stop the directory watcher; open watches raise `ProviderError`. Idempotent."""
+        await self._notifications.aclose()
+
+    # Watching: reads without the lock, since a rename replaces a record whole (POSIX).
+
+    def _peek(self, group: str) -> tuple[Record | None, float]:
+        """The record (read without its lock on POSIX) and the monotonic time of the read."""
+        if os.name != "posix":
+            return self._transact(group, lambda record, now: (None, (record, now)), _NEVER)
+        try:
+            return self._read(self._paths(group).record, group), time.monotonic()
+        except OSError as exc:
+            raise ProviderError(f"cannot read the lease record of {group!r}: {exc}") from exc
+
+    def _note(self, group: str) -> Hashable:
+        """Read *group*'s term and note when its lease ends, for the watches."""
+        record, now = self._peek(group)
+        live = record is not None and record.is_live(now)
+        self._ends[group] = record.expires_at if live and record is not None else None
+        return _term(record, now)
+
+    async def _notified(self, group: str) -> AsyncIterator[None]:
+        if group not in self._notifications.groups:  # else the listener's notes are newer
+            self._terms[group] = await asyncio.to_thread(self._note, group)
+        watch = cast(AsyncGenerator[None, None], self._notifications.watch(group))
+        async with contextlib.aclosing(watch):
+            async for _ in watch:
                 yield None
 
+    async def _listen(self, notifications: Notifications) -> None:
+        try:
+            await listen(
+                self._directory, self._groups.get, self._read_terms, self._terms, notifications
+            )
+        except (OSError, RuntimeError) as exc:  # watchfiles cannot watch this directory
+            log.warning("cannot watch %s, polling from now on: %r", self._directory, exc)
+            self._notify = False
+            raise ProviderError(f"cannot watch {str(self._directory)!r}: {exc}") from exc
 
-def _holds(record: Record | None, now: float, participant_id: str, token: int) -> bool:
-    return (
-        record is not None
-        and record.is_live(now)
-        and record.holder == participant_id
-        and record.token == token
-    )
+    async def _read_terms(self, groups: list[str]) -> dict[str, Hashable]:
+        def read() -> dict[str, Hashable]:
+            terms: dict[str, Hashable] = {}
+            for group in groups:
+                try:
+                    terms[group] = self._note(group)
+                except ProviderError:
+                    self._ends.pop(group, None)
+                    terms[group] = object()  # unreadable: its watches wake and fail there
+            return terms
+
+        return await asyncio.to_thread(read)
+
+    async def _expires_in(self, group: str) -> float | None:
+        # The listener notes every change of a watched record before it wakes anyone, so
+        # its note is current; a note older than a renewal only wakes a watch early.
+        if group not in self._ends:
+            await asyncio.to_thread(self._note, group)
+        end = self._ends.get(group)
+        left = None if end is None else end - time.monotonic()
+        return left if left is not None and left > 0 else None  # None: the lease has ended
+
+    def _observe(self, group: str) -> Callable[[], Awaitable[Observed]]:
+        async def observe() -> Observed:
+            return _observed(*await asyncio.to_thread(self._peek, group))
+
+        return observe
 
 
-def _unchanged(record: Record | None, now: float) -> tuple[None, Record | None]:
-    """A read-only step: return the live record, or None."""
+_NEVER = threading.Event()  # a read is never abandoned: it changes nothing
+
+
+def _holds(record: Record, now: float, participant_id: str, token: int) -> bool:
+    return record.is_live(now) and (record.holder, record.token) == (participant_id, token)
+
+
+def _live(record: Record | None, now: float) -> tuple[None, Record | None]:
+    """A read-only step: the live record, or None."""
     return None, (record if record is not None and record.is_live(now) else None)
 
 
-def _observed(record: Record | None, now: float) -> tuple[None, tuple[Record | None, int]]:
-    """A read-only step: the live record (or None) and the group's last token (0: none)."""
-    return None, (_unchanged(record, now)[1], 0 if record is None else record.token)
+def _term(record: Record | None, now: float) -> tuple[str | None, int]:
+    """The live holder (or None) and the group's last token (0: none)."""
+    if record is None:
+        return (None, 0)
+    return (record.holder if record.is_live(now) else None, record.token)
 
 
-def _term(record: Record | None) -> tuple[str | None, int] | None:
-    return None if record is None else (record.holder, record.token)
-
-
-def _stat(path: Path) -> tuple[int, int, int, int] | None:
-    """A cheap change signature of the record file (None: no file)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise ProviderError(f"cannot stat the lease record {str(path)!r}: {exc}") from exc
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+def _observed(record: Record | None, now: float) -> Observed:
+    """The term, the version and the time left, for `poll_watch`."""
+    live = _live(record, now)[1]
+    return Observed(
+        _term(record, now),
+        version=None if record is None else (record.token, record.holder, record.expires_at),
+        expires_in=None if live is None else live.expires_at - now,
+    )

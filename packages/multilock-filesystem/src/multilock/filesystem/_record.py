@@ -175,9 +175,13 @@ def _fsync(fd: int) -> None:
     os.fsync(fd)
 
 
-def write_atomic(path: Path, temp: Path, data: bytes) -> None:
+def write_atomic(path: Path, temp: Path, data: bytes, *, durable: bool = True) -> None:
     """Replace *path* by *data*: write and fsync *temp*, rename it, fsync the directory.
 
+    The fsync of *temp* keeps the record whole through a power cut. The directory's
+    fsync makes the rename itself durable: needed when the write raises the token (a
+    power cut must not undo a token), not for a renewal or a release (*durable* False):
+    undone, either leaves the term's own record, which expired with its boot.
     The caller holds the group's lock, so *temp* has one writer at a time; a temp file
     left by a writer that crashed is truncated here and never read.
     """
@@ -186,7 +190,7 @@ def write_atomic(path: Path, temp: Path, data: bytes) -> None:
         f.flush()
         _fsync(f.fileno())
     os.replace(temp, path)
-    if os.name == "posix":  # make the rename durable, or a power cut could undo a token
+    if durable and os.name == "posix":  # make the rename durable: tokens never go back
         fd = os.open(path.parent, os.O_RDONLY)
         try:
             _fsync(fd)

@@ -6,8 +6,7 @@ import re
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from multilock.core import ConfigurationError
-from multilock.core._url import redact_url
+from multilock.core.provider import ConfigurationError, redact_url
 
 __all__ = ["check_bucket", "check_prefix", "parse_url"]
 

@@ -18,8 +18,9 @@ with the holder's participant id, and writes nothing.
 
 A follower of a crashed leader takes over between one lease and one lease plus one
 ``poll_interval`` after the leader's last write; a fresh provider must watch an object for
-a full lease before it calls a held record expired. ``watch`` polls: it yields when the
-holder changes and exactly when the lease it observes becomes due, never on a renewal.
+a full lease before it calls a held record expired. S3 cannot notify: ``watch`` polls
+(the kit's `poll_watch`): it yields when the holder changes and exactly when the lease it
+observes becomes due, never on a renewal.
 
 Failure modes: network errors, timeouts and unexpected answers raise `ProviderError`
 (the cause chained, no credential or signature in the message). Every request is bounded
@@ -35,7 +36,6 @@ gives it up at once (unless the cancel came after the request had already return
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 import time
@@ -47,17 +47,18 @@ from typing import Any, TypeVar
 import urllib3
 from minio.error import MinioException
 
-from multilock.core import (
+from multilock.core.provider import (
     ConfigurationError,
+    DriverCalls,
     LeaderInfo,
+    Observed,
     Provider,
-    ProviderError,
-    validate_name,
+    poll_watch,
+    to_seconds,
 )
-from multilock.core._names import to_seconds
 
 from ._config import check_bucket, check_prefix, parse_url
-from ._record import Seen, check_record, check_token, info, make_record
+from ._record import Seen, check_record, info, make_record
 from ._store import BadResponse, Store, strip_query
 
 __all__ = ["S3Provider"]
@@ -69,7 +70,10 @@ _RELEASE_TRIES = 3
 
 T = TypeVar("T")
 _FAILURES = (urllib3.exceptions.HTTPError, OSError, MinioException, BadResponse, ValueError)
-_EXPIRY_SLACK = 0.005  # wake just after the observed lease ends, so it is judged expired
+
+
+class _Failed(Exception):
+    """A driver failure, its message without the presigned URLs' signatures."""
 
 
 class S3Provider(Provider):
@@ -104,7 +108,6 @@ class S3Provider(Provider):
         self._prefix = check_prefix(prefix)
         self._timeout = to_seconds(timeout, "timeout")
         self._poll = to_seconds(poll_interval, "poll_interval")
-        self._secret = secret_key or ""
         self._where = f"{'https' if secure else 'http'}://{endpoint}/{self._bucket}"
         try:
             self._store = Store(
@@ -122,13 +125,20 @@ class S3Provider(Provider):
             )
         except ValueError as exc:
             raise ConfigurationError(f"bad S3 endpoint {endpoint!r}: {exc}") from None
+        # A call sends up to two requests in a row, each bounded by connect + read timeouts.
+        self._calls = DriverCalls(
+            "s3",
+            self._where,
+            timeout=4 * self._timeout,
+            failures=(_Failed,),
+            secrets=(secret_key or "", session_token or ""),
+        )
         self._bucket_ready = not create_bucket
         self._lock = threading.Lock()
         #: group -> (etag, monotonic time it was first seen): the observed-time clock.
         self._seen: dict[str, tuple[str, float]] = {}
         #: group -> (participant, token, acquired_at, ETag of this provider's last write).
         self._mine: dict[str, tuple[str, int, str, str]] = {}
-        self._closed = False
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> S3Provider:
@@ -152,37 +162,19 @@ class S3Provider(Provider):
     def _key(self, group: str) -> str:
         return f"{self._prefix}{group}.json"
 
-    def _error(self, op: str, exc: BaseException) -> ProviderError:
-        detail = strip_query(str(exc).strip()) or type(exc).__name__
-        if self._secret:
-            detail = detail.replace(self._secret, "***")
-        return ProviderError(f"s3 {op} failed on {self._where}: {type(exc).__name__}: {detail}")
+    async def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking *fn* in a worker thread; a cancelled caller waits for it to end."""
+        return await self._calls.blocking(op, self._guarded, fn, *args)
 
-    async def _call(
-        self, op: str, fn: Callable[..., T], *args: Any, cancel: threading.Event | None = None
-    ) -> T:
-        """Run blocking *fn* in a worker thread; on cancel, set *cancel* and let it finish."""
-        if self._closed:
-            raise ProviderError(f"{self!r} is closed")
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, functools.partial(self._guarded, op, fn, *args))
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            if cancel is not None:
-                cancel.set()
-            # So the store is settled when the cancel returns (bounded by ``timeout``).
-            await asyncio.wait([future])
-            raise
-
-    def _guarded(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+    def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
         try:
             if not self._bucket_ready:
                 self._store.ensure_bucket()
                 self._bucket_ready = True
             return fn(*args)
         except _FAILURES as exc:
-            raise self._error(op, exc) from exc
+            detail = strip_query(str(exc).strip()) or "no detail"
+            raise _Failed(f"{type(exc).__name__}: {detail}") from exc
 
     # -- observed time -----------------------------------------------------------------
 
@@ -217,11 +209,6 @@ class S3Provider(Provider):
 
     # -- the provider interface ------------------------------------------------------
 
-    @property
-    def notify_delay(self) -> float:
-        """Followers notice a release at their next poll."""
-        return self._poll
-
     async def try_acquire(
         self,
         group: str,
@@ -229,14 +216,13 @@ class S3Provider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        lease = lease_duration
-        meta = dict(metadata)
-        cancelled = threading.Event()
+        # Cancelled (or timed out) callers never learn of a term the worker then wins.
+        task = asyncio.current_task()
+        abandoned = (lambda: task.cancelling() > 0) if task is not None else (lambda: False)
         return await self._call(
             "try_acquire",
             self._acquire,
-            *(group, participant_id, lease, meta, cancelled),
-            cancel=cancelled,
+            *(group, participant_id, lease_duration, metadata, abandoned),
         )
 
     def _acquire(
@@ -245,7 +231,7 @@ class S3Provider(Provider):
         participant_id: str,
         lease: float,
         meta: dict[str, str],
-        cancelled: threading.Event,
+        abandoned: Callable[[], bool],
     ) -> LeaderInfo | None:
         seen = self._read(group)
         if seen is not None and seen.live():
@@ -256,7 +242,7 @@ class S3Provider(Provider):
         written = self._write(group, record, None if seen is None else seen.etag)
         if written is None:
             return None
-        if cancelled.is_set():
+        if abandoned():
             # The caller was cancelled and will never learn of this term: end it now.
             log.debug("try_acquire of %s was cancelled after it won; releasing", group)
             self._write(group, {**record, "state": "free"}, written)
@@ -271,10 +257,8 @@ class S3Provider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        lease = lease_duration
-        meta = dict(metadata)
-        token = check_token(token)
-        return await self._call("renew", self._renew, group, participant_id, token, lease, meta)
+        args = (group, participant_id, token, lease_duration, metadata)
+        return await self._call("renew", self._renew, *args)
 
     def _renew(
         self, group: str, participant_id: str, token: int, lease: float, meta: dict[str, str]
@@ -293,7 +277,6 @@ class S3Provider(Provider):
         return self._write(group, record, etag) is not None
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        token = check_token(token)
         await self._call("release", self._release, group, participant_id, token)
 
     def _release(self, group: str, participant_id: str, token: int) -> None:
@@ -319,39 +302,33 @@ class S3Provider(Provider):
         seen = self._read(group)
         return info(seen.record) if seen is not None and seen.live() else None
 
+    @property
+    def notify_delay(self) -> float:
+        """A follower sees a release at its watch's next GET: up to ``poll_interval``."""
+        return self._poll
+
     def watch(self, group: str) -> AsyncIterator[None]:
         """Yield at once, then whenever the holder (participant, token, state) changes, and
         exactly when the lease this provider observes is due; poll every ``poll_interval``.
 
         A renewal changes the ETag but not the holder: it only restarts the observed lease.
         """
-        validate_name(group, "group")
-        return self._watch(group)
 
-    async def _watch(self, group: str) -> AsyncIterator[None]:
-        holder: object = object()  # nothing seen yet: the first read always yields
-        announced: str | None = None  # the ETag whose observed expiry was yielded
-        while True:
+        async def read() -> Observed:
             seen = await self._call("watch", self._read, group)
-            due: float | None = None
-            now_holder: object = None
-            if seen is not None:
-                record = seen.record
-                now_holder = (record.get("state"), record.get("participant"), record.get("token"))
-                if record.get("state") == "held":
-                    due = seen.since + float(record["lease"])
-            expired = due is not None and time.monotonic() >= due
-            if now_holder != holder or (expired and seen is not None and announced != seen.etag):
-                holder = now_holder
-                announced = seen.etag if expired and seen is not None else announced
-                yield None
-            wait = self._poll
-            if due is not None and not expired:
-                wait = min(wait, due - time.monotonic() + _EXPIRY_SLACK)
-            await asyncio.sleep(max(0.0, wait))
+            if seen is None:
+                return Observed(None)
+            record = seen.record
+            holder = (record["state"], record["participant"], record["token"])
+            if record["state"] != "held":
+                return Observed(holder, seen.etag)
+            left = seen.since + float(record["lease"]) - time.monotonic()
+            return Observed(holder, seen.etag, left)
+
+        return poll_watch(read, self._poll)
 
     async def aclose(self) -> None:
         """Drop the connection pool; later calls raise `ProviderError`. Idempotent."""
-        if not self._closed:
-            self._closed = True
+        if not self._calls.closed:
+            self._calls.closed = True
             self._store.close()

@@ -6,11 +6,11 @@ import time
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from multilock.core import ConfigurationError, LeaderInfo
+from multilock.core.provider import LeaderInfo
 
 from ._store import BadResponse
 
-__all__ = ["Seen", "check_record", "check_token", "info", "make_record"]
+__all__ = ["Seen", "check_record", "info", "make_record"]
 
 
 class Seen(NamedTuple):
@@ -79,9 +79,3 @@ def info(record: dict[str, Any]) -> LeaderInfo:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadResponse(f"a malformed multilock record: {exc!r}") from None
-
-
-def check_token(token: object) -> int:
-    if isinstance(token, bool) or not isinstance(token, int):
-        raise ConfigurationError(f"token must be an int, not {type(token).__name__}")
-    return token

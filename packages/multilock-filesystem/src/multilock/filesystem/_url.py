@@ -1,0 +1,54 @@
+"""The file URL: ``file:///absolute/path[?poll_interval=0.5&lock_timeout=5&notify=true]``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+from urllib.request import url2pathname
+
+from multilock.core.provider import ConfigurationError, redact_url
+
+__all__ = ["parse_url"]
+
+_SECONDS = ("lock_timeout", "poll_interval")
+_FLAGS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_url(url: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Split a file URL into the directory and `FileSystemProvider` keywords (*kwargs* too)."""
+    parts = urlsplit(url)
+    shown = redact_url(url)
+    if parts.scheme.lower() != "file":
+        raise ConfigurationError(f"{shown!r} is not a file:// URL")
+    if parts.netloc not in ("", "localhost"):
+        raise ConfigurationError(
+            f"file URL {shown!r} names the host {parts.netloc!r}: a file URL takes an "
+            "absolute path after three slashes, file:///absolute/path; relative paths "
+            "and remote hosts are not supported"
+        )
+    path = url2pathname(parts.path)
+    if parts.fragment or not path or not os.path.isabs(path):
+        raise ConfigurationError(
+            f"file URL {shown!r} needs an absolute directory path: file:///absolute/path"
+        )
+    options = dict(kwargs)
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if key not in (*_SECONDS, "notify"):
+            known = ", ".join((*_SECONDS, "notify"))
+            raise ConfigurationError(f"unknown option {key!r} in file URL; known: {known}")
+        if key in kwargs:
+            raise ConfigurationError(f"{key} is given both in the URL and as a keyword")
+        options[key] = _option(key, value)
+    return path, options
+
+
+def _option(key: str, value: str) -> float | bool:
+    if key == "notify":
+        if value.lower() not in _FLAGS:
+            raise ConfigurationError(f"notify in file URL must be true or false, got {value!r}")
+        return _FLAGS[value.lower()]
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigurationError(f"{key} in file URL must be seconds, got {value!r}") from None
