@@ -4,26 +4,29 @@ The shared contract runs on every backend (test_contract.py); here: a forced ses
 expiry ends the leader's term at once, a server restart, ordering by sequence number
 rather than by name, a create whose reply was lost, a live term left untouched by a
 repeated acquire and by another provider with the same participant id, cleanup by
-``aclose`` and by the refresh timer, URLs, and the session-timeout check.
+``aclose`` and by the refresh timer, URLs, the session timeout the server granted, and
+many groups watched on one session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 
 from harness import BaseServer, require_control
+from harness.fixtures_zookeeper import four_letter_word
 from multilock.core import ConfigurationError, LeaderElection, from_url
 from multilock.core.testing import Cluster
 from multilock.zookeeper import ZooKeeperProvider
+from multilock.zookeeper._watch import ordered
 
 ROOT = "/multilock"
 
@@ -62,6 +65,19 @@ async def raw(zookeeper_server: BaseServer) -> AsyncIterator[KazooClient]:
     await asyncio.to_thread(client.close)
 
 
+def sessions(server: BaseServer) -> dict[int, int]:
+    """The server's open sessions (``cons``): session id -> negotiated timeout in ms."""
+    found = re.findall(r"sid=0x([0-9a-f]+),.*?\bto=(\d+)", four_letter_word(server.url, "cons"))
+    return {int(sid, 16): int(timeout) for sid, timeout in found}
+
+
+def session_of(provider: ZooKeeperProvider) -> int:
+    assert provider.client is not None
+    client_id = provider.client.client_id
+    assert client_id is not None
+    return int(client_id[0])
+
+
 def children(raw: KazooClient, group: str) -> list[str]:
     names: list[str] = raw.get_children(f"{ROOT}/{group}")
     return names
@@ -78,8 +94,8 @@ async def expire_session(server: BaseServer, client: KazooClient) -> None:
 async def test_forced_session_expiry_ends_the_term_at_once(zookeeper_server: BaseServer) -> None:
     group = fresh()
     lease = 9.0  # renew every 3 s: only the watch can end the term within a second
-    a = ZooKeeperProvider(hosts(zookeeper_server))
-    b = ZooKeeperProvider(hosts(zookeeper_server))
+    a = ZooKeeperProvider(hosts(zookeeper_server), session_timeout=lease)
+    b = ZooKeeperProvider(hosts(zookeeper_server), session_timeout=lease)
     async with a, b:
         first = LeaderElection(a, group=group, participant_id="a", lease_duration=lease)
         second = LeaderElection(b, group=group, participant_id="b", lease_duration=lease)
@@ -89,7 +105,7 @@ async def test_forced_session_expiry_ends_the_term_at_once(zookeeper_server: Bas
                 await asyncio.sleep(0.3)  # b is following, watching the group
                 assert not second.is_leader
                 assert a.client is not None
-                assert a.client._session_timeout == lease * 1000  # it followed the lease
+                assert sessions(zookeeper_server)[session_of(a)] == lease * 1000
                 started = time.monotonic()
                 await expire_session(zookeeper_server, a.client)
                 lost = await wait_for("a to stop leading", lambda: not first.is_leader, 5)
@@ -111,7 +127,7 @@ async def test_suspended_connection_ends_the_term_and_restart_keeps_tokens_risin
     server = require_control(zookeeper_server)
     group = fresh()
     lease = 6.0
-    a = ZooKeeperProvider(hosts(server))
+    a = ZooKeeperProvider(hosts(server), session_timeout=lease)
     async with a:
         election = LeaderElection(a, group=group, participant_id="a", lease_duration=lease)
         async with election:
@@ -243,6 +259,7 @@ async def test_a_live_term_is_never_rewritten_or_joined(
         assert first is not None
         (name,) = children(raw, group)
         path = f"{ROOT}/{group}/{name}"
+        await wait_for("the record stamped", lambda: raw.get(path)[1].version == 1, 5)
         before = raw.get(path)
         assert await q.try_acquire(group, "p1", 8.0, {"instance": "b"}) is None
         assert not await q.renew(group, "p1", first.token, 8.0, {"instance": "b"})
@@ -259,7 +276,7 @@ async def test_a_live_term_is_never_rewritten_or_joined(
         assert await q.get_leader(group) == first
         # A repeated acquire while the stored record is in doubt (a write's reply lost)
         # gets None: the election finds its term with get_leader and takes it up by renew.
-        p._nodes[(group, "p1")].stamped = False
+        p._nodes[(group, "p1")].stored = None
         assert await p.try_acquire(group, "p1", 8.0, {"instance": "c"}) is None
         assert raw.get(path)[1].version == before[1].version
         assert await p.renew(group, "p1", first.token, 8.0, {"instance": "a"})
@@ -281,6 +298,8 @@ async def test_a_participant_that_stops_campaigning_leaves_no_node(
         # q1 never calls again: its node goes after one lease, though q's session lives.
         took = await wait_for("q1's node to go", lambda: len(children(raw, group)) == 1, lease * 3)
         assert took > lease * 0.5
+        assert q.client is not None
+        assert q.client.connected
         assert await q.try_acquire(group, "q2", lease * 10, {}) is None
         await q.aclose()  # aclose deletes at once what q had
         assert len(children(raw, group)) == 1
@@ -297,8 +316,7 @@ async def test_url_forms_chroot_and_root(zookeeper_server: BaseServer, raw: Kazo
     async with provider:
         info = await provider.try_acquire(group, "p1", 8.0, {"k": "v"})
         assert info is not None
-        assert provider.client is not None
-        assert provider.client._session_timeout == 4000
+        assert sessions(zookeeper_server)[session_of(provider)] == 4000  # as the URL asks
         assert len(raw.get_children(f"{chroot}/elect/{group}")) == 1
         await provider.release(group, "p1", info.token)
     zk = from_url(f"zk://{hosts(zookeeper_server)}")
@@ -324,32 +342,38 @@ async def test_an_existing_client_is_used_and_not_closed(
 
 async def test_session_timeout_must_not_exceed_the_lease(zookeeper_server: BaseServer) -> None:
     p = ZooKeeperProvider(hosts(zookeeper_server), session_timeout=5.0)
-    with pytest.raises(ConfigurationError, match="session timeout"):
+    with pytest.raises(ConfigurationError, match="session_timeout"):
         LeaderElection(p, group=fresh(), lease_duration=3.0)
-    LeaderElection(p, group=fresh(), lease_duration=5.0)
+    election = LeaderElection(p, group=fresh(), lease_duration=5.0)
+    async with election:
+        await asyncio.wait_for(election.wait_until_leader(), 10)
+        assert sessions(zookeeper_server)[session_of(p)] == 5000  # what the lease relies on
     await p.aclose()
 
 
-async def test_a_handoff_creates_one_node_and_writes_nothing_else(
+async def test_a_queued_follower_takes_over_with_its_own_node(
     zookeeper_server: BaseServer, raw: KazooClient
 ) -> None:
-    """The follower's watch sees the leader's node go: its new node leads from its creation."""
+    """As kazoo's recipe: the follower's node waits behind the leader's; when the leader's
+    goes, the follower's watch sees it and the queued node leads, with nothing created or
+    read (its view says it is lowest); its record is stamped right after."""
     group = fresh()
-    a, b = ZooKeeperProvider(hosts(zookeeper_server)), ZooKeeperProvider(hosts(zookeeper_server))
+    a = ZooKeeperProvider(hosts(zookeeper_server), session_timeout=4.0)
+    b = ZooKeeperProvider(hosts(zookeeper_server), session_timeout=4.0)
     async with a, b:
         first = LeaderElection(a, group=group, participant_id="a", lease_duration=4.0)
         second = LeaderElection(b, group=group, participant_id="b", lease_duration=4.0)
         async with first:
             old = await asyncio.wait_for(first.wait_until_leader(), 10)
-            async with second:  # b follows without a node of its own, watching the group
-                await wait_for("b's view to hold a's record", lambda: held(b, group), 5)
+            async with second:
+                await wait_for("b to queue", lambda: len(b._views.known(group) or []) == 2, 5)
+                (_, queued) = ordered(children(raw, group))[1]
                 await first.resign()
                 new = await asyncio.wait_for(second.wait_until_leader(), 5)
-                assert new.token == old.token + 1  # one create, no other candidate between
-                (name,) = children(raw, group)
-                _, stat = raw.get(f"{ROOT}/{group}/{name}")
-                assert stat.version == 0  # never written: its creation time starts the term
-                assert new.acquired_at == datetime.fromtimestamp(stat.ctime / 1000, UTC)
+                assert ordered(children(raw, group))[0] == (new.token, queued)
+                assert new.token > old.token
+                path = f"{ROOT}/{group}/{queued}"
+                await wait_for("b's record", lambda: raw.get(path)[1].version == 1, 5)
                 seen = await a.get_leader(group)
                 assert seen is not None
                 assert (seen.participant_id, seen.token) == ("b", new.token)
@@ -378,28 +402,66 @@ async def test_the_watched_view_follows_the_leader_node(
         try:
             info = await q.try_acquire(group, "q1", 8.0, {"k": "v"})
             assert info is not None
-            await wait_for("p's view to hold q1's record", lambda: held(p, group), 5)
+            await wait_for("p's view to hold q1's node", lambda: held(p, group), 5)
             assert await sees("q1", {"k": "v"})
             assert await q.renew(group, "q1", info.token, 8.0, {"k": "w"})
             await wait_for("p to see the new metadata", lambda: sees("q1", {"k": "w"}), 5)
             (name,) = children(raw, group)
             raw.delete(f"{ROOT}/{group}/{name}")  # as ZooKeeper does when q's session ends
-            await wait_for("p to see nobody", lambda: sees(None), 5)
-            view = p._views[group]
-            await wait_for("p's view to settle", lambda: view.armed and not view.pending, 5)
-            assert p._all_gone(p.client, group) == info.token
+            # The deletion is in the view (no read): nobody leads.
+            await wait_for("p's view to drop the node", lambda: p._views.known(group) == [], 5)
+            assert await sees(None)
             record = json.dumps({"participant_id": "manual", "metadata": {}}).encode()
-            with p._lock:  # hold p's view still (its next event waits), as if it were late
-                raw.create(f"{ROOT}/{group}/x-manual-", record, ephemeral=True, sequence=True)
-                # The view says "all gone", but the new node's token does not follow the
-                # highest it listed: a node came in between, so p1 must not lead.
-                assert await p.try_acquire(group, "p1", 8.0, {}) is None
+            raw.create(f"{ROOT}/{group}/x-manual-", record, ephemeral=True, sequence=True)
             await wait_for("p to see the manual node lead", lambda: sees("manual"), 5)
+            assert await p.try_acquire(group, "p1", 8.0, {}) is None
         finally:
             task.cancel()
             await q.aclose()
 
 
+async def test_many_groups_are_watched_on_one_session(
+    zookeeper_server: BaseServer, raw: KazooClient
+) -> None:
+    """One provider watching many groups holds one session (the server's ``cons``) for all
+    of them, and each watch wakes on its own group's release, and only then."""
+    count = 30
+    groups = [fresh(f"many{i}") for i in range(count)]
+    before = set(sessions(zookeeper_server))
+    async with (
+        ZooKeeperProvider(hosts(zookeeper_server)) as p,
+        ZooKeeperProvider(hosts(zookeeper_server)) as q,
+    ):
+        terms = [await q.try_acquire(group, "q1", 8.0, {}) for group in groups]
+        freed = {group: asyncio.Event() for group in groups}
+
+        async def follow(group: str) -> None:
+            async for _ in p.watch(group):
+                if await p.get_leader(group) is None:
+                    freed[group].set()
+
+        tasks = [asyncio.create_task(follow(group)) for group in groups]
+        try:
+            await wait_for(
+                "every group's view", lambda: all(held(p, group) for group in groups), 10
+            )
+            session = session_of(p)
+            opened = set(sessions(zookeeper_server)) - before
+            assert opened == {session, session_of(q)}, opened  # one session per provider
+            for i, (group, term) in enumerate(zip(groups, terms, strict=True)):
+                assert term is not None
+                await q.release(group, "q1", term.token)
+                async with asyncio.timeout(5):
+                    await freed[group].wait()
+                assert not any(freed[g].is_set() for g in groups[i + 1 :]), "woke too early"
+            assert session_of(p) == session
+            assert set(sessions(zookeeper_server)) - before == opened
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def held(p: ZooKeeperProvider, group: str) -> bool:
-    known = p._known(p.client, group)
-    return known is not None and known[1] is not None
+    line = p._views.known(group)
+    return bool(line)

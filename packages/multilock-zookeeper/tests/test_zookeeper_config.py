@@ -1,4 +1,4 @@
-"""What needs no server: URLs, options, names, ordering, redaction, closed ports."""
+"""What needs no server: URLs, options, lease bounds, names, ordering, redaction, closed ports."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from multilock.core import ConfigurationError, ElectionOptions, ProviderError, from_url
+from multilock.core import ConfigurationError, LeaderElection, ProviderError, from_url
+from multilock.core.provider import LeaseBounds
 from multilock.zookeeper import ZooKeeperProvider
 from multilock.zookeeper._config import parse_url
-from multilock.zookeeper._nodes import decode, encode, ordered, token_of
+from multilock.zookeeper._provider import decode, encode
+from multilock.zookeeper._watch import ordered, token_of
 
 SECRET = "s3cr%40t"  # percent-encoded "s3cr@t"
 
@@ -23,17 +25,17 @@ def closed_port() -> int:
 
 
 def test_url_forms() -> None:
-    target, options = parse_url(
+    hosts, auth, _, options = parse_url(
         "zookeeper://h1:2181,h2:2182/app/chroot?root=/x/y&session_timeout=3"
     )
-    assert target.hosts == "h1:2181,h2:2182/app/chroot"
-    assert target.auth is None
+    assert hosts == "h1:2181,h2:2182/app/chroot"
+    assert auth is None
     assert options == {"root": "/x/y", "session_timeout": 3.0}
-    target, _ = parse_url("zk://h1")
-    assert target.hosts == "h1"
-    target, _ = parse_url(f"zookeeper://user:{SECRET}@h1:2181/")
-    assert target.auth == "user:s3cr@t"
-    assert "s3cr" not in target.shown
+    hosts, *_ = parse_url("zk://h1")
+    assert hosts == "h1"
+    _, auth, shown, _ = parse_url(f"zookeeper://user:{SECRET}@h1:2181/")
+    assert auth == "user:s3cr@t"
+    assert "s3cr" not in shown
 
 
 @pytest.mark.parametrize(
@@ -110,12 +112,18 @@ async def test_unreachable_server_raises_provider_error_in_bounded_time() -> Non
         await provider.get_leader("g")
 
 
-def test_check_options_holds_session_timeout_to_the_lease() -> None:
-    provider = ZooKeeperProvider("h1", session_timeout=5.0)
-    with pytest.raises(ConfigurationError, match="session timeout"):
-        provider.check_options(ElectionOptions(lease_duration=3.0))
-    provider.check_options(ElectionOptions(lease_duration=5.0))
-    following = ZooKeeperProvider("h1")
-    following.check_options(ElectionOptions(lease_duration=4.0))
-    following.check_options(ElectionOptions(lease_duration=3.0))
-    assert following._lease_hint == 3.0  # the session will time out within every lease
+def test_the_lease_is_at_least_the_session_timeout() -> None:
+    # A crashed leader's node lives until its session expires: the session timeout (URL
+    # option or keyword, 10 s by default, kazoo's own) is the shortest lease.
+    assert ZooKeeperProvider("h1").lease_bounds == LeaseBounds(
+        minimum=10.0, reason=ZooKeeperProvider("h1").lease_bounds.reason
+    )
+    provider = from_url("zookeeper://h1?session_timeout=5")
+    assert provider.lease_bounds.minimum == 5.0
+    with pytest.raises(ConfigurationError, match="session_timeout"):
+        LeaderElection(provider, group="g", lease_duration=3.0)
+    LeaderElection(provider, group="g", lease_duration=5.0)
+    with pytest.raises(ConfigurationError, match="session_timeout"):
+        LeaderElection(ZooKeeperProvider("h1"), group="g", lease_duration=9.0)
+    short = ZooKeeperProvider("h1", session_timeout=timedelta(seconds=1))
+    LeaderElection(short, group="g", lease_duration=1.0)  # the benchmarks' lease

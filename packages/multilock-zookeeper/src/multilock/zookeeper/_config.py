@@ -1,28 +1,19 @@
-"""URLs and options of `ZooKeeperProvider`, validated at the boundary.
-
-Credentials never leave this module in a message: URLs are shown through `redact_url`.
-"""
+"""URLs and options of `ZooKeeperProvider`, checked at the boundary; URLs shown redacted."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
 
-from multilock.core import ConfigurationError, redact_url
-from multilock.core._names import to_seconds
+from multilock.core.provider import ConfigurationError, redact_url, to_seconds
 
-__all__ = ["DEFAULT_ROOT", "SCHEMES", "Settings", "Target", "merge", "parse_url", "validate_root"]
+__all__ = ["Settings", "parse_url"]
 
-DEFAULT_ROOT = "/multilock"
-SCHEMES = ("zookeeper", "zk")
-_OWN_KEYS = ("root", "session_timeout", "connect_timeout", "operation_timeout")
-#: ZooKeeper path segments: no empty segments, no '.'/'..', printable ASCII only.
-_SEGMENT = re.compile(r"[A-Za-z0-9_.\-:@+=,]{1,200}")
+_KEYS = ("root", "session_timeout", "connect_timeout", "operation_timeout")
+_SEGMENT = re.compile(r"[A-Za-z0-9_.\-:@+=,]{1,200}")  # no '/', printable ASCII
 _HOST = re.compile(r"[A-Za-z0-9_.\-\[\]:]+")
 
 
@@ -36,81 +27,47 @@ def validate_root(value: Any, field: str = "root") -> str:
     return value
 
 
-def _session_timeout(value: float | timedelta | None) -> float | None:
-    return None if value is None else to_seconds(value, "session_timeout")
-
-
-def _connect_timeout(value: float | timedelta) -> float:
-    return to_seconds(value, "connect_timeout")
-
-
-def _operation_timeout(value: float | timedelta) -> float:
-    return to_seconds(value, "operation_timeout")
+_SECONDS: Any = attrs.Converter(lambda v, f: to_seconds(v, f.name), takes_field=True)
 
 
 @attrs.frozen(kw_only=True)
 class Settings:
     """The options of a provider; keywords win over the URL's query string."""
 
-    root: str = attrs.field(default=DEFAULT_ROOT, converter=validate_root)
-    #: None: follow the lease (see the provider's docstring).
-    session_timeout: float | None = attrs.field(default=None, converter=_session_timeout)
-    connect_timeout: float = attrs.field(default=10.0, converter=_connect_timeout)
-    operation_timeout: float = attrs.field(default=5.0, converter=_operation_timeout)
+    root: str = attrs.field(default="/multilock", converter=validate_root)
+    #: Requested from the server (declared, for a client passed in) and the shortest lease.
+    #: The default is kazoo's own, so a plain ``KazooClient()`` passed in matches it.
+    session_timeout: float = attrs.field(default=10.0, converter=_SECONDS)  # type: ignore[misc]
+    connect_timeout: float = attrs.field(default=10.0, converter=_SECONDS)  # type: ignore[misc]
+    operation_timeout: float = attrs.field(default=5.0, converter=_SECONDS)  # type: ignore[misc]
 
 
-@attrs.frozen
-class Target:
-    """What a URL names: kazoo's hosts string (with chroot) and digest credentials."""
-
-    hosts: str
-    auth: str | None
-    shown: str
-
-
-def _query_value(key: str, value: str) -> Any:
-    if key == "root":
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigurationError(f"{key} must be seconds, got {value!r}") from None
-
-
-def parse_url(url: str) -> tuple[Target, dict[str, Any]]:
-    """Split ``zookeeper://[user:pass@]h1:2181,h2:2181[/chroot][?options]``.
-
-    Return the target and the options of the query string (``root``, ``session_timeout``,
-    ``connect_timeout``, ``operation_timeout``); any other query key is an error.
-    """
+def parse_url(url: str) -> tuple[str, str | None, str, dict[str, Any]]:
+    """Split ``zookeeper://[user:pass@]h1:2181,h2:2181[/chroot][?options]`` into kazoo's
+    hosts string (with the chroot), ``user:password`` (digest scheme) or None, the redacted
+    URL, and the options of the query string."""
     shown = redact_url(url)
     parts = urlsplit(url)
-    if parts.scheme not in SCHEMES:
+    if parts.scheme not in ("zookeeper", "zk"):
         raise ConfigurationError(f"not a ZooKeeper URL: {shown}")
-    netloc = parts.netloc
-    userinfo, _, hostlist = netloc.rpartition("@")
-    hosts = hostlist.split(",")
-    if not hostlist or not all(h and _HOST.fullmatch(h) for h in hosts):
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    if not hosts or not all(h and _HOST.fullmatch(h) for h in hosts.split(",")):
         raise ConfigurationError(f"a ZooKeeper URL names host[:port],...: {shown}")
     chroot = parts.path.rstrip("/")
     if chroot:
         validate_root(chroot, "chroot")
     options: dict[str, Any] = {}
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key not in _OWN_KEYS:
-            raise ConfigurationError(
-                f"unknown option {key!r} in {shown}; known: {', '.join(_OWN_KEYS)}"
-            )
-        options[key] = _query_value(key, value)
+        if key not in _KEYS:
+            raise ConfigurationError(f"unknown option {key!r} in {shown}; known: {_KEYS}")
+        try:
+            options[key] = value if key == "root" else float(value)
+        except ValueError:
+            raise ConfigurationError(f"{key} must be seconds, got {value!r}") from None
     auth = None
     if userinfo:
         user, sep, password = userinfo.partition(":")
         if not sep or not user:
             raise ConfigurationError(f"credentials in a ZooKeeper URL are user:password: {shown}")
         auth = f"{unquote(user)}:{unquote(password)}"
-    return Target(hostlist + chroot, auth, shown), options
-
-
-def merge(url_options: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Settings:
-    """Settings from the URL's options overridden by keywords."""
-    return Settings(**{**url_options, **kwargs})
+    return hosts + chroot, auth, shown, options

@@ -1,334 +1,368 @@
-"""`ZooKeeperProvider`: candidates are ephemeral sequential nodes; the lowest one leads.
+"""`ZooKeeperProvider`: candidates queue as ephemeral sequential nodes; the lowest one leads.
 
-Guarantees: each participant that calls ``try_acquire`` gets one ephemeral sequential node
-under ``<root>/<group>`` (named ``<random prefix>-<participant>-<sequence>``); the node
-with the lowest *sequence number* (never the name) is the leader, and that number plus
-one is the fencing token (so no token is 0). Sequence numbers come from the group node,
-which is never deleted, so tokens rise across release, expiry, session loss and server
-restarts. Nodes are only ever removed, never added below the lowest, so a candidate that
-sees itself lowest in a listing taken after its node exists leads until its node goes.
-Every write is one ZooKeeper operation on the caller's own node: create, set_data, delete.
-Nodes belong to this provider, keyed (group, participant): another provider with the same
-participant id queues its own node and cannot join, renew or release this one's term. A
-repeated ``try_acquire`` during a term returns that term as stored, metadata unchanged and
-nothing written (None while a write of its record is in doubt: the election then finds
-the term with ``get_leader`` and takes it up with ``renew``).
-
-Lease: a node lives while its ZooKeeper session does (session timeout <= lease, checked)
-and, on top, while its participant calls ``try_acquire``/``renew`` at least once per
-``lease_duration`` on this provider's monotonic clock: a timer deletes a node that was
-not refreshed in time, so a participant that stops campaigning, or a leader that stops
-renewing, frees its place within one lease even though its session is still alive.
-``aclose`` deletes every node of this provider at once.
-
-Failure modes: when the connection is SUSPENDED the term ends at once (``watch`` wakes on
-every connection state change and ``renew`` answers False unless the client is CONNECTED
-and the node still exists, is owned by this session and is the lowest); after a reconnect
-ownership is checked again; a LOST session means its nodes are gone and the next
-``try_acquire`` creates a new node with a new, higher token. A create whose reply was
-lost is found again by its random prefix. kazoo calls use its asynchronous API from the
-event loop (no worker threads), each bounded by ``operation_timeout``; failures raise
-`ProviderError` with the driver's error as ``__cause__``. A cancelled ``try_acquire``
-waits for its calls to settle and deletes a node it made.
-
-Round trips: a new candidate creates its node and lists the group in one pipelined round
-trip, or, when its watch has seen every listed candidate go and its node gets the next
-sequence number after the highest one listed, only creates it (see ``_create``); a node
-that leads from its creation records no ``acquired_at`` (its creation time is the start
-of the term). ``renew`` pipelines its two reads. ``get_leader`` answers from the watch's
-current view of the group when there is one (see ``_watch.py``).
+A participant's node, ``<root>/<group>/<random prefix>-<participant>-<sequence>``, holds a
+JSON record; the lowest sequence number (never the name) leads, and it plus one is the
+token. The group node counts the sequence and is never deleted, so tokens rise across
+release, expiry, session loss and restarts. A candidate queues behind the leader, as in
+kazoo's recipe, and leads as soon as its watch shows it lowest, with no round trip. Nodes
+belong to this provider, keyed (group, participant). A node lives while its session does
+(``lease_bounds``: a lease is at least the session timeout) and while it is refreshed
+(``try_acquire``/``renew``) once per lease, or waits behind the leader with its group
+watched here: a timer on the event loop deletes it otherwise. SUSPENDED ends a term at
+once. A create whose reply was lost is found by its prefix; a cancelled ``try_acquire``
+settles, then deletes a node it made. One kazoo client and session per provider, called
+through kazoo's asynchronous API from the loop; only connect and close block, in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
+import json
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import attrs
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
-from kazoo.exceptions import NoNodeError  # type: ignore[import-untyped]
+from kazoo.exceptions import KazooException  # type: ignore[import-untyped]
+from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
 from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
+from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
 
-from multilock.core import (
-    ConfigurationError,
-    LeaderInfo,
-    Provider,
-    validate_name,
-)
+from multilock.core.provider import DriverCalls, LeaderInfo, LeaseBounds, Provider, ProviderError
 
-from ._config import parse_url
-from ._nodes import Node, decode, encode, ordered, server_time, token_of
-from ._session import FAILURES
-from ._watch import Watches
-
-if TYPE_CHECKING:
-    from multilock.core._options import ElectionOptions
+from ._config import Settings, parse_url
+from ._watch import RAISE, Views, future, ordered, token_of
 
 __all__ = ["ZooKeeperProvider"]
 
-log = logging.getLogger(__name__)
+FAILURES = (KazooException, KazooTimeoutError, OSError, json.JSONDecodeError, KeyError)
+Key = tuple[str, str]
 
 
-class ZooKeeperProvider(Watches, Provider):
-    """Elect through kazoo. *hosts* is kazoo's ``"h1:2181,h2:2181/chroot"`` or a `KazooClient`.
+def encode(participant_id: str, metadata: Mapping[str, str], since: datetime | None) -> bytes:
+    record: dict[str, Any] = {"participant_id": participant_id, "metadata": dict(metadata)}
+    return json.dumps({**record, "acquired_at": since.isoformat()} if since else record).encode()
 
-    A client passed in must be started by its owner; the provider never stops or closes
-    it. Options: ``root`` (default ``/multilock``), ``session_timeout`` (None: the lease
-    of the first ``check_options``/``try_acquire`` before connecting, else 10 s),
-    ``connect_timeout`` (10 s), ``operation_timeout`` (5 s); durations in seconds or
-    `timedelta`. ``auth`` is ``"user:password"`` for ZooKeeper's digest scheme.
+
+def decode(token: int, data: bytes, mtime_ms: int) -> LeaderInfo:
+    record = json.loads(data.decode())
+    since = record.get("acquired_at")
+    at = datetime.fromisoformat(since) if since else datetime.fromtimestamp(mtime_ms / 1000, UTC)
+    return LeaderInfo(
+        participant_id=record["participant_id"],
+        token=token,
+        metadata=record.get("metadata", {}),
+        acquired_at=at,
+    )
+
+
+@attrs.define(eq=False)
+class Node:
+    """One participant's candidate node in one group, as this provider knows it."""
+
+    group: str
+    prefix: str
+    session: int | None  # the session that owns (or will own) it: it goes with it
+    name: str | None = None
+    seq: int | None = None
+    sent: bool = False  # a create was sent: if its reply was lost, find it by prefix
+    timer: asyncio.TimerHandle | None = None  # deletes it unless refreshed
+    acquired_at: datetime | None = None
+    stored: Mapping[str, str] | None = None  # the metadata of a record dating the term
+
+
+class ZooKeeperProvider(Provider):
+    """Elect through kazoo. *hosts* is ``"h1:2181,h2:2181/chroot"`` or a started `KazooClient`
+    (never stopped here; declare its ``session_timeout``). Options: ``root`` (``/multilock``),
+    ``session_timeout`` (10 s, the shortest lease), ``connect_timeout`` (10 s),
+    ``operation_timeout`` (5 s), in seconds or `timedelta`; ``auth``: ``"user:password"``.
     """
+
+    def __init__(self, hosts: str | KazooClient, /, *, auth: str | None = None, **options: Any):
+        self._settings = s = Settings(**options)
+        self._hosts, self._auth = hosts, auth
+        self._client: Any = None if isinstance(hosts, str) else hosts
+        where = f"zookeeper://{hosts}" if isinstance(hosts, str) else "a KazooClient"
+        secrets = (auth, auth.partition(":")[2]) if auth else ()
+        self._calls = DriverCalls(
+            "zookeeper", where, timeout=s.operation_timeout, failures=FAILURES, secrets=secrets
+        )
+        self._views = Views(s.root, self._calls)
+        self._loop: Any = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._nodes: dict[Key, Node] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> ZooKeeperProvider:
         """Build from ``zookeeper://[user:pass@]h1:2181,h2:2181[/chroot][?options]``."""
-        target, url_options = parse_url(url)
-        provider = cls(target.hosts, auth=target.auth, **{**url_options, **kwargs})
-        provider._shown = target.shown
+        hosts, auth, shown, options = parse_url(url)
+        provider = cls(hosts, auth=auth, **{**options, **kwargs})
+        provider._calls.where = shown
         return provider
 
     def __repr__(self) -> str:
-        return f"<ZooKeeperProvider {self._shown} root={self._settings.root}>"
+        return f"<ZooKeeperProvider {self._calls.where} root={self._settings.root}>"
 
-    # -- the provider ----------------------------------------------------------------------
+    @property
+    def client(self) -> KazooClient | None:
+        """The kazoo client in use (None until the first call connects)."""
+        return self._client
 
-    def check_options(self, options: ElectionOptions) -> None:
-        lease = options.lease_duration
+    @property
+    def lease_bounds(self) -> LeaseBounds:
         timeout = self._settings.session_timeout
-        if self._client is not None:
-            timeout = self._client._session_timeout / 1000
-        if timeout is not None and timeout > lease:
-            raise ConfigurationError(
-                f"lease_duration {lease:g} s is shorter than the ZooKeeper session timeout "
-                f"{timeout:g} s: a crashed leader's node would outlive its lease"
-            )
-        with self._lock:
-            self._lease_hint = min(lease, self._lease_hint or lease)
+        why = f"a crashed leader's node lives until its session_timeout ({timeout:g} s) ends"
+        return LeaseBounds(minimum=timeout, reason=why)
+
+    def _path(self, group: str, name: str = "") -> str:
+        return f"{self._settings.root}/{group}" + (f"/{name}" if name else "")
+
+    def _kz(self, sent: Any, missing: Any = RAISE) -> asyncio.Future[Any]:
+        return future(self._loop, sent, missing)
+
+    def _session(self) -> int | None:
+        owner = None if self._client is None else self._client.client_id
+        return None if owner is None else int(owner[0])
+
+    async def _connect(self) -> Any:
+        """The started client; the first call connects (blocking: in a worker thread)."""
+        if self._closed:
+            raise ProviderError(f"{self!r} is closed")
+        task = self._connecting
+        if task is None or (task.done() and (task.cancelled() or task.exception())):
+            task = self._connecting = asyncio.ensure_future(self._start())
+        await asyncio.shield(task)
+        return self._client
+
+    async def _start(self) -> None:
+        client, timeout = self._client, self._settings.connect_timeout
+        if client is None:
+            session = self._settings.session_timeout
+            retry = KazooRetry(max_tries=-1, delay=0.05, max_delay=max(0.1, session / 4))
+            auth = [("digest", self._auth)] if self._auth else None
+            client = KazooClient(self._hosts, session, connection_retry=retry, auth_data=auth)
+            connecting = asyncio.to_thread(client.start, timeout)
+            await self._calls.call("connect", connecting, limit=timeout + 1)
+            if self._closed:  # closed while connecting
+                await asyncio.to_thread(client.stop)
+                raise ProviderError(f"{self!r} is closed")
+        self._client, self._loop = client, asyncio.get_running_loop()
+        self._views.bind(client, self._loop)
+        client.add_listener(self._on_state)
+
+    def _on_state(self, _state: Any) -> None:  # kazoo's connection thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            self._loop.call_soon_threadsafe(self._views.state_changed)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _arm(self, key: Key, node: Node, lease: float) -> None:
+        """The reaper: delete *node* unless refreshed within *lease* (a loop timer)."""
+        if node.timer is not None:
+            node.timer.cancel()
+        node.timer = self._loop.call_later(lease, self._expire, key, node, lease)
+
+    def _expire(self, key: Key, node: Node, lease: float) -> None:
+        line = self._views.known(node.group)
+        if line and node.name in [name for _, name in line[1:]]:
+            # Queued behind the leader while its group is watched here: its participant
+            # follows (an idle follower refreshes nothing); once it leads, it must renew.
+            node.timer = self._loop.call_later(lease, self._expire, key, node, lease)
+        else:
+            self._forget(key, node)
+
+    def _drop(self, key: Key, node: Node) -> None:
+        if self._nodes.get(key) is node:
+            del self._nodes[key]
+        if node.timer is not None:
+            node.timer.cancel()
+
+    def _forget(self, key: Key, node: Node) -> None:
+        self._drop(key, node)
+        self._spawn(self._delete(node))
+
+    async def _delete(self, node: Node, delay: float = 0.0) -> None:
+        await asyncio.sleep(delay)
+        with contextlib.suppress(ProviderError):
+            await self._calls.call("delete", self._remove(node))
+
+    async def _remove(self, node: Node) -> None:
+        """Delete *node* (by prefix if its create is in doubt); on failure, retry every
+        0.5 s in the background while its session may hold it."""
+        try:
+            names = [node.name] if node.name is not None else []
+            if not names:
+                listing = await self._kz(
+                    self._client.get_children_async(self._path(node.group)), []
+                )
+                names = [c for c in listing if c.startswith(node.prefix)]
+            for name in names:
+                await self._kz(self._client.delete_async(self._path(node.group, name)), None)
+        except (*FAILURES, asyncio.CancelledError):
+            if not self._closed and self._session() in (None, node.session):
+                self._spawn(self._delete(node, 0.5))
+            raise
 
     async def try_acquire(
-        self,
-        group: str,
-        participant_id: str,
-        lease_duration: float,
-        metadata: Mapping[str, str],
+        self, group: str, participant_id: str, lease_duration: float, metadata: Mapping[str, str]
     ) -> LeaderInfo | None:
-        cancelled = asyncio.Event()
-        work = self._acquire(group, participant_id, lease_duration, dict(metadata), cancelled)
-        future = asyncio.ensure_future(work)
+        made: list[Node] = []
+        acquire = self._acquire(group, participant_id, lease_duration, metadata, made)
+        work = asyncio.ensure_future(self._calls.call("try_acquire", acquire))
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            with self._failures("try_acquire"):
-                return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            cancelled.set()  # the call deletes a node it made; wait for it to settle
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(self._settings.operation_timeout * 4):
-                    await future
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:  # let it settle, then undo a node it made
+            await asyncio.wait([work], timeout=self._settings.operation_timeout)
+            for node in made:
+                self._drop((group, participant_id), node)
+                with contextlib.suppress(ProviderError):
+                    await self._calls.call("try_acquire", self._remove(node))
             raise
 
     async def _acquire(
-        self, group: str, pid: str, lease: float, meta: dict[str, str], cancelled: asyncio.Event
+        self, group: str, pid: str, lease: float, meta: Mapping[str, str], made: list[Node]
     ) -> LeaderInfo | None:
-        client = await self._client_for(lease)
+        client = await self._connect()
         key = (group, pid)
-        with self._lock:
-            node = self._nodes.get(key)
-            if node is None:
-                node = self._nodes[key] = Node(group, f"{uuid.uuid4().hex}-{pid}-")
-                node.session = client._session_id
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = Node(group, f"{uuid.uuid4().hex}-{pid}-", self._session())
         self._arm(key, node, lease)  # deletes it even if the create below is left in doubt
-        children: list[str] = []
-        if node.sent:  # made before, or an earlier create's reply was lost: look for it
-            children = await self._children(client.get_children_async(self._path(group)))
+        line = self._views.known(group)  # a current view: no read needed
+        if line and node.name in [name for _, name in line[1:]]:
+            return None  # queued behind the leader
+        children = [node.name] if line and line[0][1] == node.name else []
+        if node.sent and not children:  # made before, or a create's reply was lost
+            children = await self._kz(client.get_children_async(self._path(group)), [])
             mine = sorted(c for c in children if c.startswith(node.prefix))
-            for extra in mine[1:]:  # cannot happen with one prefix per create; be tidy anyway
-                with contextlib.suppress(NoNodeError):
-                    await self._call(client.delete_async(self._path(group, extra)))
-            node.name = mine[0] if mine else None
-            node.seq = token_of(mine[0]) if mine else None
-        since: datetime | None = None
-        created = node.name is None
-        if created:
-            node.sent, node.acquired_at, node.stamped = True, None, False
-            children, since = await self._create(client, node, pid, meta)
-        self._arm(key, node, lease)
-        if cancelled.is_set() and created:
-            await self._forget(key, node)
-            return None
+            node.name, node.seq = (mine[0], token_of(mine[0])) if mine else (None, None)
+        if node.name is None:
+            node.sent, node.acquired_at, node.stored = True, None, None
+            made.append(node)
+            children = await self._create(client, node, pid, meta)
         line = ordered(children)
         if not line or line[0][1] != node.name:
-            return None
-        assert node.seq is not None
-        if node.acquired_at is not None:
-            # A repeated call during its term: that term as stored, never rewritten (the
-            # election knows its terms by their metadata); None while a write is in doubt.
-            if not node.stamped or node.meta is None:
-                return None
+            return None  # queued behind the leader
+        if node.acquired_at is None:  # its term starts: stamp the record, out of the way
+            node.acquired_at = datetime.now(UTC)
+            self._spawn(self._stamp(node, pid, meta))
             return LeaderInfo(
-                participant_id=pid,
-                token=node.seq,
-                metadata=dict(node.meta),
-                acquired_at=node.acquired_at,
+                participant_id=pid, token=line[0][0], metadata=meta, acquired_at=node.acquired_at
             )
-        # Its term starts now, or started when it was made.
-        node.acquired_at, node.stamped = (since, True) if since else (datetime.now(UTC), False)
-        await self._write(client, group, node, pid, meta)
+        if node.stored is None:
+            return None  # a repeated call while the record is in doubt: get_leader finds it
         return LeaderInfo(
-            participant_id=pid, token=node.seq, metadata=meta, acquired_at=node.acquired_at
+            participant_id=pid, token=line[0][0], metadata=node.stored, acquired_at=node.acquired_at
         )
 
-    async def _create(
-        self, client: KazooClient, node: Node, pid: str, meta: dict[str, str]
-    ) -> tuple[list[str], datetime | None]:
-        """Create *node*; return a listing of the group taken after it exists, and its
-        creation time when that is the start of its term if it leads.
-
-        When the group's watched view shows every candidate it listed deleted since, and
-        the new node's token follows the highest token listed, no other node can be lower
-        (tokens are unique and rise, and every node up to that one is gone): the node
-        leads from its creation, with no listing. Otherwise the group is listed right
-        behind the create, in the same round trip (ZooKeeper answers a session's requests
-        in order); the creation time is the term's start when no other child came or went
-        between the two (the group's ``pzxid`` is then the create's own zxid).
-        """
-        group = node.group
-        highest = self._all_gone(client, group)
-        made = self._future(client.create_async(
-            self._path(group, node.prefix), encode(pid, meta, None), ephemeral=True,
-            sequence=True, makepath=True, include_data=True,
+    async def _create(self, client: Any, node: Node, pid: str, meta: Mapping[str, str]) -> Any:
+        """Create *node* and list the group right behind it, in the same round trip (a
+        session's requests are answered in order); return the listing."""
+        path, data = self._path(node.group, node.prefix), encode(pid, meta, None)
+        made = self._kz(client.create_async(
+            path, data, ephemeral=True, sequence=True, makepath=True, include_data=True
         ))  # fmt: skip
-        listed = None
-        if highest is None:
-            listed = self._future(client.get_children_async(self._path(group), include_data=True))
-        path, stat = await self._call(made)
-        node.name = path.rsplit("/", 1)[1]
-        node.seq, node.meta = token_of(node.name), meta
-        if highest is not None and node.seq == highest + 1:
-            return [node.name], server_time(stat.ctime)
-        children, parent = [], None
-        if listed is not None:
-            with contextlib.suppress(NoNodeError):  # the group node came after the listing
-                children, parent = await self._call(listed)
-        if parent is None:
-            children, parent = await self._call(
-                client.get_children_async(self._path(group), include_data=True)
-            )
-        if parent.pzxid != stat.czxid:  # it may have waited behind another candidate
-            return children, None
-        return children, server_time(stat.ctime)
+        listing = self._kz(client.get_children_async(self._path(node.group)), None)
+        path, stat = await made
+        node.name = path.rpartition("/")[2]
+        node.seq, node.session = token_of(node.name), stat.ephemeralOwner
+        children = await listing  # None: the group node came with the create (makepath)
+        if children is None:
+            children = await self._kz(client.get_children_async(self._path(node.group)))
+        return children
 
-    async def _write(
-        self, client: KazooClient, group: str, node: Node, pid: str, meta: dict[str, str]
-    ) -> None:
+    async def _stamp(self, node: Node, pid: str, meta: Mapping[str, str]) -> None:
+        with contextlib.suppress(ProviderError):
+            await self._calls.call("try_acquire", self._write(self._client, node, pid, meta))
+
+    async def _write(self, client: Any, node: Node, pid: str, meta: Mapping[str, str]) -> None:
         """Record ``acquired_at`` and the metadata on the leader's node, if not there yet."""
-        assert node.acquired_at is not None
-        assert node.name is not None
-        if node.stamped and node.meta == meta:
-            return
-        data = encode(pid, meta, node.acquired_at)
-        node.stamped = False  # the stored record is in doubt until the write is answered
-        await self._call(client.set_async(self._path(group, node.name), data))
-        node.stamped, node.meta = True, meta
+        if node.stored != meta:
+            node.stored = None  # in doubt until the reply
+            data = encode(pid, meta, node.acquired_at)
+            await self._kz(client.set_async(self._path(node.group, str(node.name)), data))
+            node.stored = meta
 
     async def renew(
-        self,
-        group: str,
-        participant_id: str,
-        token: int,
-        lease_duration: float,
-        metadata: Mapping[str, str],
+        self, group: str, participant_id: str, token: int, lease: float, metadata: Mapping[str, str]
     ) -> bool:
-        with self._failures("renew"):
-            return await self._renew(group, participant_id, token, lease_duration, dict(metadata))
+        renewing = self._renew((group, participant_id), token, lease, metadata)
+        return bool(await self._calls.call("renew", renewing))
 
-    async def _renew(
-        self, group: str, pid: str, token: int, lease: float, meta: dict[str, str]
-    ) -> bool:
-        key = (group, pid)
-        with self._lock:
-            node = self._nodes.get(key)
+    async def _renew(self, key: Key, token: int, lease: float, meta: Mapping[str, str]) -> bool:
+        node = self._nodes.get(key)
         if node is None or node.seq != token or node.name is None:
             return False
-        client = await self._client_for(lease)
-        with self._lock:
-            node = self._nodes.get(key)
-            if node is None or node.seq != token or time.monotonic() >= node.deadline:
-                return False
+        client = await self._connect()
         if client.state != KazooState.CONNECTED:
-            log.info("zookeeper session of %s/%s is %s: the term ends", group, pid, client.state)
-            await self._forget(key, node, now=False)  # deleted on reconnect if the session lives
+            self._forget(key, node)  # deleted once reconnected, if the session lives
             return False
-        assert node.name is not None
-        got = self._future(client.get_async(self._path(group, node.name)))
-        listed = self._future(client.get_children_async(self._path(group)))  # right behind
-        try:
-            _, stat = await self._call(got)
-        except NoNodeError:
-            await self._forget(key, node)
+        got = self._kz(client.get_async(self._path(node.group, node.name)), None)
+        listing = self._kz(client.get_children_async(self._path(node.group)), [])  # pipelined
+        reply, line, owner = await got, ordered(await listing), client.client_id
+        if self._nodes.get(key) is not node:
+            return False  # expired, released or forgotten meanwhile
+        if reply is None or owner is None or reply[1].ephemeralOwner != owner[0]:
+            self._forget(key, node)
             return False
-        line = ordered(await self._children(listed))
-        owner = client.client_id
-        if owner is None or stat.ephemeralOwner != owner[0] or not line or line[0][0] != token:
-            await self._forget(key, node)
+        if not line or line[0][0] != token:
+            self._forget(key, node)
             return False
-        if node.acquired_at is None:
-            node.acquired_at, node.stamped = datetime.now(UTC), False
-        await self._write(client, group, node, pid, meta)
+        node.acquired_at = node.acquired_at or datetime.now(UTC)
+        await self._write(client, node, key[1], meta)
         self._arm(key, node, lease)
         return True
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        key = (group, participant_id)
-        with self._lock:
-            node = self._nodes.get(key)
-            if node is None or node.seq != token:
-                return
-            del self._nodes[key]
-        # A failed delete is retried in the background while the session lasts.
-        with self._failures("release"):
-            await self._remove(node)
+        node = self._nodes.get((group, participant_id))
+        if node is not None and node.seq == token:
+            self._drop((group, participant_id), node)
+            await self._calls.call("release", self._remove(node))
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
-        with self._failures("get_leader"):
-            client = await self._client_for(None)
-            known = self._known(client, group)
-            if known is not None and (known[1] is not None or not known[0]):
-                return known[1]  # the watches tell: nobody, or the leader's record
-            if known is not None:
-                names = known[0]
-            else:
-                names = await self._children(client.get_children_async(self._path(group)))
-            for seq, name in ordered(names):
-                try:
-                    data, stat = await self._call(client.get_async(self._path(group, name)))
-                except NoNodeError:
-                    continue  # gone since the listing: the next one leads
-                return decode(seq, data, stat.mtime)
-            return None
+        return await self._calls.call("get_leader", self._get_leader(group))
+
+    async def _get_leader(self, group: str) -> LeaderInfo | None:
+        client = await self._connect()
+        line = self._views.known(group)  # the watches tell, with no read: nobody, or who
+        if line is None:
+            line = ordered(await self._kz(client.get_children_async(self._path(group)), []))
+        for seq, name in line:
+            got = await self._kz(client.get_async(self._path(group, name)), None)
+            if got is not None:  # else gone since the listing: the next one leads
+                return decode(seq, got[0], got[1].mtime)
+        return None
 
     def watch(self, group: str) -> AsyncIterator[None]:
-        validate_name(group, "group")
-        return self._watch(group)
+        return self._views.watch(group, self._connect)
 
     async def aclose(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            nodes = list(self._nodes.values())
-            self._nodes.clear()
+        if self._closed:
+            return
+        self._closed = True
+        nodes = list(self._nodes.items())
+        for key, node in nodes:
+            self._drop(key, node)
         client = self._client
         if client is not None and client.state == KazooState.CONNECTED:
-            for node in nodes:
-                with contextlib.suppress(*FAILURES):
-                    await self._remove(node)
-        with self._lock:
-            self._closed = True
-            self._reaped.notify()
-        self._stop_listening()
-        if self._own and client is not None:
+            removals = (self._calls.call("aclose", self._remove(node)) for _, node in nodes)
+            await asyncio.gather(*removals, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._calls.closed = self._views.closed = True
+        self._views.state_changed()
+        if client is not None:
+            client.remove_listener(self._on_state)
+        if client is not None and isinstance(self._hosts, str):
             await asyncio.to_thread(client.stop)
             await asyncio.to_thread(client.close)

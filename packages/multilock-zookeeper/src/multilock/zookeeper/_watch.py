@@ -1,24 +1,14 @@
-"""`Watches`: what a watched group looks like, kept current by ZooKeeper's watches.
+"""kazoo's replies and watches on the event loop: `future`, and the `Views` of watched groups.
 
-``watch(group)`` keeps a *view* of the group: its children, listed with a children watch,
-and the record of the lowest candidate (the leader), read with a data watch. Watch
-events arrive in kazoo's event thread, in the order ZooKeeper sent them (before any later
-reply on the session), and every change bumps a generation so that a reply to a request
-sent before the change, which kazoo's completion thread may hand over late, is ignored.
-
-- A change of the children makes the view stale; the group is listed again at once (with
-  a new watch) and the watchers are woken when that listing arrives.
-- The deletion of the watched leader node takes it out of the view, which stays right
-  (a node created since can only come after every node in the view), and wakes the
-  watchers at once, without waiting for a new listing. When the children watch was
-  armed, that deletion is the first change since the listing, and ZooKeeper sends its
-  children event right after the node's own: that event then keeps the view current, and
-  the listing it triggers wakes again only if it shows something else.
-- Every connection state change makes every view stale and wakes every watcher, so a
-  leader renews (and ends its term when SUSPENDED) at once.
-
-While a view is current, ``get_leader`` answers from it: nobody when it has no candidate,
-the leader's record when it has read it, and otherwise reads only that record.
+A view is a group as its watches show it: its candidates, listed with a children watch,
+and a data watch on the lowest (the leader). kazoo calls watch functions in its
+event thread and settles replies in its completion thread; both hop to the event loop,
+which alone keeps the views (no lock); a generation number drops a reply sent before a
+change the loop saw first. Every watch of every group is on the provider's one session.
+Watches wake when the leader changes: its node's deletion (applied to the view at once,
+with no read: the view stays right, as nodes only come after it), a listing with another
+lowest node, a change of the leader's record (a term began), and any connection state
+change (every view is then stale, and listed again once CONNECTED).
 """
 
 from __future__ import annotations
@@ -26,247 +16,197 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
-from kazoo.client import KazooClient  # type: ignore[import-untyped]
 from kazoo.exceptions import NoNodeError  # type: ignore[import-untyped]
 from kazoo.protocol.states import EventType, KazooState  # type: ignore[import-untyped]
 
-from multilock.core import LeaderInfo
+from multilock.core.provider import DriverCalls, ProviderError
 
-from ._nodes import decode, ordered
-from ._session import FAILURES, Session
+__all__ = ["RAISE", "Views", "future", "ordered", "token_of"]
 
-__all__ = ["Watches"]
+RAISE: Any = object()  # `future`'s default: a NoNodeError fails it like any other error
+
+
+def token_of(name: str) -> int | None:
+    """A candidate's token: the sequence number ZooKeeper appended, plus one (never 0)."""
+    tail = name[-10:]
+    return int(tail) + 1 if len(name) > 10 and tail.isdigit() else None
+
+
+def ordered(children: list[str]) -> list[tuple[int, str]]:
+    """Candidates as (token, name), lowest sequence number first (never by name)."""
+    return sorted((s, c) for c in children if (s := token_of(c)) is not None)
+
+
+def future(loop: asyncio.AbstractEventLoop, sent: Any, missing: Any = RAISE) -> asyncio.Future[Any]:
+    """The reply to kazoo request *sent* (an ``IAsyncResult``) as a future of *loop*.
+
+    Requests sent back to back are pipelined (a session's are answered in order). A
+    NoNodeError gives *missing* when one is given; an unawaited failure counts as seen.
+    """
+    reply: asyncio.Future[Any] = loop.create_future()
+    reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def settle(_: Any = None) -> None:
+        if reply.done():
+            return
+        if sent.successful():
+            reply.set_result(sent.value)
+        elif missing is not RAISE and isinstance(sent.exception, NoNodeError):
+            reply.set_result(missing)
+        else:
+            reply.set_exception(sent.exception)
+
+    def hop(_: Any) -> None:  # in kazoo's completion thread
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            loop.call_soon_threadsafe(settle)
+
+    settle() if sent.ready() else sent.rawlink(hop)
+    return reply
 
 
 @attrs.define(eq=False)
 class View:
-    """One group as the watches show it, and whom to wake when it changes."""
-
-    group: str
-    children: list[str] = attrs.field(factory=list)
-    #: ``children`` is the group as of the last change ZooKeeper notified.
-    current: bool = False
-    #: ... and the children watch that reports the next change is set.
-    armed: bool = False
-    #: The next children event is the leader's deletion, already applied.
-    expected: bool = False
-    #: A listing is on its way.
-    pending: bool = False
-    #: Bumped by every change of the children: older answers are ignored.
+    path: str
+    line: list[tuple[int, str]] = attrs.field(factory=list)  # candidates, lowest first
+    current: bool = False  # the group as of the last change ZooKeeper reported
+    armed: bool = False  # the children watch is set
+    pending: bool = False  # a listing is on its way
+    expected: bool = False  # the next children event is the leader's deletion, applied
     generation: int = 0
-    #: The leader node whose record is watched, and that record (data, mtime) once read.
-    head: str | None = None
-    record: tuple[bytes, int] | None = None
-    head_generation: int = 0
-    #: The highest token of every listing taken so far (0: none yet).
-    highest: int = 0
-    wakers: list[Callable[[], None]] = attrs.field(factory=list)
-    #: The watch functions kazoo calls (one each per group: kazoo keeps them once).
-    on_children: Callable[[Any], None] | None = None
-    on_head: Callable[[Any], None] | None = None
+    head: str | None = None  # the leader node, read with a data watch
+    events: set[asyncio.Event] = attrs.field(factory=set)
+    on_children: Callable[[Any], None] = print  # kazoo keeps a function once: one per view
+    on_head: Callable[[Any], None] = print
 
 
-class Watches(Session):
-    """Children and leader watches, and the views they keep current, on top of `Session`."""
+class Views:
+    """The watched groups of one provider, on its one kazoo client and event loop."""
 
-    def __init__(self, hosts: str | KazooClient, /, **options: Any) -> None:
-        super().__init__(hosts, **options)
+    def __init__(self, root: str, calls: DriverCalls) -> None:
+        self._root, self._calls = root, calls
         self._views: dict[str, View] = {}
-        self._listening: KazooClient | None = None
+        self._client: Any = None
+        self._loop: Any = None
+        self.closed = False
 
-    def _known(self, client: KazooClient, group: str) -> tuple[list[str], LeaderInfo | None] | None:
-        """From a current view: its candidates, and the leader when its record is read.
+    def bind(self, client: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._client, self._loop = client, loop
 
-        None when there is no current view of *group*: read the store.
-        """
-        with self._lock:
-            view = self._views.get(group)
-            if view is None or not view.current or client.state != KazooState.CONNECTED:
-                return None
-            line = ordered(view.children)
-            if line and line[0][1] == view.head and view.record is not None:
-                return [view.head], decode(line[0][0], *view.record)
-            return [name for _, name in line], None
+    def _up(self) -> bool:
+        return bool(self._client is not None and self._client.state == KazooState.CONNECTED)
 
-    def _all_gone(self, client: KazooClient, group: str) -> int | None:
-        """The highest token ever listed, when a current view shows every candidate of its
-        latest listing deleted since (each seen go by its own watch event); else None.
+    def known(self, group: str) -> list[tuple[int, str]] | None:
+        """The candidates of a current view of *group*; None: read the store."""
+        view = self._views.get(f"{self._root}/{group}")
+        return view.line if view is not None and view.current and self._up() else None
 
-        Every candidate up to that token was then created before the latest listing, so it
-        was either not in it (gone already) or has gone since.
-        """
-        with self._lock:
-            view = self._views.get(group)
-            if view is None or not view.current or client.state != KazooState.CONNECTED:
-                return None
-            return None if ordered(view.children) else view.highest
+    def _hop(self, fn: Callable[[View, Any], None], view: View, event: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody watches
+            self._loop.call_soon_threadsafe(fn, view, event)
 
-    # -- kazoo threads -------------------------------------------------------------------
+    def _wake(self, view: View) -> None:
+        for event in view.events:
+            event.set()
 
-    def _list(self, client: KazooClient, view: View, *, notify: bool) -> Any:
-        """Send a listing of *view*'s group with a watch; return kazoo's result.
+    def _list(self, view: View, notify: bool) -> asyncio.Future[Any]:
+        """List *view*'s group with a children watch; with *notify*, wake on news."""
+        view.generation += 1
+        view.pending, view.armed = True, False
+        sent = self._client.get_children_async(view.path, view.on_children)
+        reply = future(self._loop, sent, None)
+        reply.add_done_callback(functools.partial(self._listed, view, view.generation, notify))
+        return reply
 
-        With *notify*, the watchers are woken when it arrives (it follows a change).
-        """
-        with self._lock:
-            view.generation += 1
-            view.pending, view.armed = True, False
-            generation = view.generation
-        result = client.get_children_async(self._path(view.group), watch=view.on_children)
-        result.rawlink(functools.partial(self._listed, client, view, generation, notify))
-        return result
+    def _listed(self, view: View, sent: int, notify: bool, reply: asyncio.Future[Any]) -> None:
+        if sent != view.generation:
+            return  # a change (or a state change) came after it was sent
+        view.pending = False
+        children = None if reply.cancelled() or reply.exception() else reply.result()
+        if children is not None:
+            line, seen = ordered(children), view.line[:1] if view.current else None
+            view.line, view.current, view.armed = line, True, True
+            self._watch_head(view)
+            if notify and line[:1] == seen:
+                return  # the same leader: a new candidate, or one behind it gone
+            self._wake(view)  # a new leader, or (again) watched: look at the group now
+        elif notify:  # a failure: the watch lists again
+            self._wake(view)
 
-    def _listed(
-        self, client: KazooClient, view: View, generation: int, notify: bool, result: Any
-    ) -> None:
-        """A listing arrived (kazoo's completion thread): keep it, watch its leader, wake."""
-        with self._lock:
-            if generation != view.generation:
-                return  # a change (or a state change) came after it was sent
-            view.pending = False
-            if result.successful():
-                seen = set(view.children) if view.current else None
-                view.children, view.current, view.armed = result.value, True, True
-                view.highest = max([view.highest, *(t for t, _ in ordered(view.children))])
-                self._watch_head(client, view)
-                if not notify or set(view.children) == seen:
-                    return  # the first listing of a watch, or nothing new to tell
-            elif not notify and isinstance(result.exception, NoNodeError):
-                return  # no group node yet: the watch creates it and lists again
-            wakers = list(view.wakers)  # after a failure too, to list and watch again
-        for wake in wakers:
-            wake()
+    def _watch_head(self, view: View) -> None:
+        """Read the leader's record with a data watch: wake once its term is stamped."""
+        head = view.line[0][1] if view.line else None
+        if head is not None and head != view.head:
+            sent = self._client.get_async(f"{view.path}/{head}", view.on_head)
+            future(self._loop, sent, None).add_done_callback(
+                functools.partial(self._head_read, view, head)
+            )
+        view.head = head
 
-    def _watch_head(self, client: KazooClient, view: View) -> None:
-        """Read (with a data watch) the record of the view's leader, if not done yet."""
-        line = ordered(view.children)
-        head = line[0][1] if line else None
-        if head == view.head and (view.record is not None or head is None):
-            return
-        view.head, view.record = head, None
-        view.head_generation += 1
-        if head is not None:
-            got = client.get_async(self._path(view.group, head), watch=view.on_head)
-            got.rawlink(functools.partial(self._head_read, view, view.head_generation))
-
-    def _head_read(self, view: View, generation: int, result: Any) -> None:
-        with self._lock:
-            if generation == view.head_generation and result.successful():
-                data, stat = result.value
-                view.record = (data, stat.mtime)
+    def _head_read(self, view: View, head: str, reply: asyncio.Future[Any]) -> None:
+        got = None if reply.cancelled() or reply.exception() else reply.result()
+        if view.head == head and got is not None and b'"acquired_at"' in got[0]:
+            self._wake(view)  # else its data watch wakes when the new leader stamps it
 
     def _head_changed(self, view: View, event: Any) -> None:
-        """The leader's node changed (kazoo's event thread)."""
-        name = event.path.rsplit("/", 1)[1] if event.path else None
-        client = self._client
-        with self._lock:
-            if name is None or name != view.head or client is None:
-                return
-            view.head_generation += 1
-            view.head, view.record = None, None
-            wakers = []
-            if event.type == EventType.DELETED and view.current and name in view.children:
-                # Gone: the view without it is still right (new nodes only come after).
-                view.children = [c for c in view.children if c != name]
-                if view.armed and not view.expected:
-                    view.expected = True  # the children event of this deletion is next
-                wakers = list(view.wakers)
-            if view.current and view.wakers and not self._closed:
-                with contextlib.suppress(*FAILURES):
-                    self._watch_head(client, view)
-        for wake in wakers:
-            wake()
-
-    def _changed(self, view: View, _event: Any) -> None:
-        """The children watch fired (kazoo's event thread): list again, then wake."""
-        client = self._client
-        with self._lock:
-            watched = bool(view.wakers) and not self._closed and client is not None
-            view.armed = False
-            if not view.expected or not watched:  # else the listing below follows at once
-                view.current = False
-            view.expected = False
-            wakers = list(view.wakers)
-        if not watched:
+        name = (event.path or "").rpartition("/")[2]  # no path: a session event, see the listener
+        if self._views.get(view.path) is not view or name != view.head:
             return
-        try:
-            self._list(client, view, notify=True)
-        except FAILURES:  # closed under us: let the watchers find out
-            with self._lock:
-                view.pending = view.current = False
-            for wake in wakers:
-                wake()
+        view.head = None  # its watch fired: set a new one
+        if view.current and event.type == EventType.DELETED:
+            view.line = [c for c in view.line if c[1] != name]
+            view.expected = view.armed  # its children event comes next
+        if view.current:
+            self._wake(view)  # the leader is gone, or its record changed (a term began)
+            self._watch_head(view)
 
-    def _state_changed(self, _state: Any) -> None:
-        """Every connection state change (kazoo's connection thread): stale, wake all."""
-        with self._lock:
-            wakers = []
-            for view in self._views.values():
-                view.generation += 1
-                view.head_generation += 1
-                view.current = view.armed = view.expected = view.pending = False
-                view.head, view.record = None, None
-                wakers.extend(view.wakers)
-        for wake in wakers:
-            wake()
+    def _children_changed(self, view: View, event: Any) -> None:
+        if self._views.get(view.path) is view and event.path:
+            view.current, view.expected = view.expected and view.current, False
+            with contextlib.suppress(*self._calls.failures):
+                self._list(view, notify=True)
 
-    # -- the event loop ------------------------------------------------------------------
+    def state_changed(self) -> None:
+        """A connection state change: every view is stale, every watch wakes."""
+        for view in self._views.values():
+            view.generation += 1
+            view.current = view.armed = view.expected = view.pending = False
+            view.head = None
+            self._wake(view)
 
-    def _view(self, client: KazooClient, group: str) -> View:
-        with self._lock:
-            if self._listening is not client:
-                client.add_listener(self._state_changed)
-                self._listening = client
-            view = self._views.get(group)
-            if view is None:
-                view = self._views[group] = View(group)
-                view.on_children = functools.partial(self._changed, view)
-                view.on_head = functools.partial(self._head_changed, view)
-            return view
-
-    def _stop_listening(self) -> None:
-        with self._lock:
-            client, self._listening = self._listening, None
-            self._views.clear()
-        if client is not None:
-            client.remove_listener(self._state_changed)
-
-    async def _start_listing(self, client: KazooClient, view: View) -> None:
-        """List (and watch) the group, creating the group node if it is not there yet."""
-        try:
-            await self._call(self._list(client, view, notify=False))
-        except NoNodeError:
-            await self._call(client.ensure_path_async(self._path(view.group)))
-            await self._call(self._list(client, view, notify=False))
-
-    async def _watch(self, group: str) -> AsyncIterator[None]:
-        """Yield on every change of the group's children and every connection state change."""
-        loop = asyncio.get_running_loop()
+    async def watch(self, group: str, connect: Callable[[], Awaitable[Any]]) -> AsyncIterator[None]:
+        """Yield once the group is watched, then whenever it or the connection changes."""
+        await connect()
+        path = f"{self._root}/{group}"
+        view = self._views.get(path)
+        if view is None:
+            view = self._views[path] = View(path)
+            view.on_children = functools.partial(self._hop, self._children_changed, view)
+            view.on_head = functools.partial(self._hop, self._head_changed, view)
         event = asyncio.Event()
-
-        def wake() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: being torn down
-                loop.call_soon_threadsafe(event.set)
-
-        with self._failures("watch"):
-            client = await self._client_for(None)
-            view = self._view(client, group)
-        with self._lock:
-            view.wakers.append(wake)
+        view.events.add(event)
+        if view.armed:
+            event.set()  # watched already: yield at once
         try:
-            while True:
-                with self._lock:
-                    idle = not view.armed and not view.pending
-                if idle:  # first time, or after a failure or a state change
-                    with self._failures("watch"):
-                        await self._start_listing(client, view)
+            while not self.closed:
+                if not view.armed and not view.pending and self._up():
+                    await self._start(view)
                 await event.wait()
                 event.clear()
-                yield None
+                if not self.closed:
+                    yield None
+            raise ProviderError(f"the zookeeper provider for {self._calls.where} is closed")
         finally:
-            with self._lock:
-                view.wakers.remove(wake)
+            view.events.discard(event)
+            if not view.events and self._views.get(path) is view:
+                del self._views[path]
+
+    async def _start(self, view: View) -> None:
+        """List and watch the group, first making its node if it is not there yet."""
+        if await self._calls.call("watch", self._list(view, False)) is None:
+            made = future(self._loop, self._client.ensure_path_async(view.path))
+            await self._calls.call("watch", made)
+            await self._calls.call("watch", self._list(view, False))
