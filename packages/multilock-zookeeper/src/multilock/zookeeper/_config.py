@@ -35,17 +35,15 @@ class Settings:
     """The options of a provider; keywords win over the URL's query string."""
 
     root: str = attrs.field(default="/multilock", converter=validate_root)
-    #: Requested from the server (declared, for a client passed in) and the shortest lease.
-    #: The default is kazoo's own, so a plain ``KazooClient()`` passed in matches it.
+    #: The shortest lease; kazoo's default, so a plain ``KazooClient()`` passed in matches.
     session_timeout: float = attrs.field(default=10.0, converter=_SECONDS)  # type: ignore[misc]
     connect_timeout: float = attrs.field(default=10.0, converter=_SECONDS)  # type: ignore[misc]
     operation_timeout: float = attrs.field(default=5.0, converter=_SECONDS)  # type: ignore[misc]
 
 
 def parse_url(url: str) -> tuple[str, str | None, str, dict[str, Any]]:
-    """Split ``zookeeper://[user:pass@]h1:2181,h2:2181[/chroot][?options]`` into kazoo's
-    hosts string (with the chroot), ``user:password`` (digest scheme) or None, the redacted
-    URL, and the options of the query string."""
+    """Split a URL into kazoo's hosts (with the chroot), ``user:password`` or None, the
+    redacted URL, and the query string's options."""
     shown = redact_url(url)
     parts = urlsplit(url)
     if parts.scheme not in ("zookeeper", "zk"):

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -75,11 +76,7 @@ class Node:
 
 
 class ZooKeeperProvider(Provider):
-    """Elect through kazoo. *hosts* is ``"h1:2181,h2:2181/chroot"`` or a started `KazooClient`
-    (never stopped here; declare its ``session_timeout``). Options: ``root`` (``/multilock``),
-    ``session_timeout`` (10 s, the shortest lease), ``connect_timeout`` (10 s),
-    ``operation_timeout`` (5 s), in seconds or `timedelta`; ``auth``: ``"user:password"``.
-    """
+    """Elect on ``"h1:2181,h2:2181/chroot"`` or a started `KazooClient` (never stopped here)."""
 
     def __init__(self, hosts: str | KazooClient, /, *, auth: str | None = None, **options: Any):
         self._settings = s = Settings(**options)
@@ -171,13 +168,16 @@ class ZooKeeperProvider(Provider):
         node.timer = self._loop.call_later(lease, self._expire, key, node, lease)
 
     def _expire(self, key: Key, node: Node, lease: float) -> None:
-        line = self._views.known(node.group)
-        if line and node.name in [name for _, name in line[1:]]:
-            # Queued behind the leader while its group is watched here: its participant
-            # follows (an idle follower refreshes nothing); once it leads, it must renew.
-            node.timer = self._loop.call_later(lease, self._expire, key, node, lease)
+        # Queued behind the leader while its group is watched here: its participant
+        # follows (an idle follower refreshes nothing); once it leads, it must renew.
+        if self._queued(node):
+            self._arm(key, node, lease)
         else:
             self._forget(key, node)
+
+    def _queued(self, node: Node) -> bool:
+        line = self._views.known(node.group)  # a current view: no read needed
+        return line is not None and node.name in [name for _, name in line[1:]]
 
     def _drop(self, key: Key, node: Node) -> None:
         if self._nodes.get(key) is node:
@@ -187,16 +187,15 @@ class ZooKeeperProvider(Provider):
 
     def _forget(self, key: Key, node: Node) -> None:
         self._drop(key, node)
-        self._spawn(self._delete(node))
+        self._spawn(self._quietly("delete", lambda: self._remove(node)))
 
-    async def _delete(self, node: Node, delay: float = 0.0) -> None:
+    async def _quietly(self, op: str, work: Callable[[], Any], delay: float = 0.0) -> None:
         await asyncio.sleep(delay)
         with contextlib.suppress(ProviderError):
-            await self._calls.call("delete", self._remove(node))
+            await self._calls.call(op, work())
 
     async def _remove(self, node: Node) -> None:
-        """Delete *node* (by prefix if its create is in doubt); on failure, retry every
-        0.5 s in the background while its session may hold it."""
+        """Delete *node* (by prefix if its create is in doubt), retrying while it may live."""
         try:
             names = [node.name] if node.name is not None else []
             if not names:
@@ -208,7 +207,7 @@ class ZooKeeperProvider(Provider):
                 await self._kz(self._client.delete_async(self._path(node.group, name)), None)
         except (*FAILURES, asyncio.CancelledError):
             if not self._closed and self._session() in (None, node.session):
-                self._spawn(self._delete(node, 0.5))
+                self._spawn(self._quietly("delete", lambda: self._remove(node), 0.5))
             raise
 
     async def try_acquire(
@@ -224,8 +223,7 @@ class ZooKeeperProvider(Provider):
             await asyncio.wait([work], timeout=self._settings.operation_timeout)
             for node in made:
                 self._drop((group, participant_id), node)
-                with contextlib.suppress(ProviderError):
-                    await self._calls.call("try_acquire", self._remove(node))
+                await self._quietly("try_acquire", functools.partial(self._remove, node))
             raise
 
     async def _acquire(
@@ -237,9 +235,9 @@ class ZooKeeperProvider(Provider):
         if node is None:
             node = self._nodes[key] = Node(group, f"{uuid.uuid4().hex}-{pid}-", self._session())
         self._arm(key, node, lease)  # deletes it even if the create below is left in doubt
-        line = self._views.known(group)  # a current view: no read needed
-        if line and node.name in [name for _, name in line[1:]]:
+        if self._queued(node):
             return None  # queued behind the leader
+        line = self._views.known(group)
         children = [node.name] if line and line[0][1] == node.name else []
         if node.sent and not children:  # made before, or a create's reply was lost
             children = await self._kz(client.get_children_async(self._path(group)), [])
@@ -254,19 +252,16 @@ class ZooKeeperProvider(Provider):
             return None  # queued behind the leader
         if node.acquired_at is None:  # its term starts: stamp the record, out of the way
             node.acquired_at = datetime.now(UTC)
-            self._spawn(self._stamp(node, pid, meta))
-            return LeaderInfo(
-                participant_id=pid, token=line[0][0], metadata=meta, acquired_at=node.acquired_at
-            )
-        if node.stored is None:
+            self._spawn(self._quietly("try_acquire", lambda: self._write(client, node, pid, meta)))
+            stored: Mapping[str, str] | None = meta
+        elif (stored := node.stored) is None:
             return None  # a repeated call while the record is in doubt: get_leader finds it
         return LeaderInfo(
-            participant_id=pid, token=line[0][0], metadata=node.stored, acquired_at=node.acquired_at
+            participant_id=pid, token=line[0][0], metadata=stored, acquired_at=node.acquired_at
         )
 
     async def _create(self, client: Any, node: Node, pid: str, meta: Mapping[str, str]) -> Any:
-        """Create *node* and list the group right behind it, in the same round trip (a
-        session's requests are answered in order); return the listing."""
+        """Create *node* and list the group right behind it, pipelined; return the listing."""
         path, data = self._path(node.group, node.prefix), encode(pid, meta, None)
         made = self._kz(client.create_async(
             path, data, ephemeral=True, sequence=True, makepath=True, include_data=True
@@ -279,10 +274,6 @@ class ZooKeeperProvider(Provider):
         if children is None:
             children = await self._kz(client.get_children_async(self._path(node.group)))
         return children
-
-    async def _stamp(self, node: Node, pid: str, meta: Mapping[str, str]) -> None:
-        with contextlib.suppress(ProviderError):
-            await self._calls.call("try_acquire", self._write(self._client, node, pid, meta))
 
     async def _write(self, client: Any, node: Node, pid: str, meta: Mapping[str, str]) -> None:
         """Record ``acquired_at`` and the metadata on the leader's node, if not there yet."""
@@ -311,10 +302,8 @@ class ZooKeeperProvider(Provider):
         reply, line, owner = await got, ordered(await listing), client.client_id
         if self._nodes.get(key) is not node:
             return False  # expired, released or forgotten meanwhile
-        if reply is None or owner is None or reply[1].ephemeralOwner != owner[0]:
-            self._forget(key, node)
-            return False
-        if not line or line[0][0] != token:
+        mine = reply is not None and owner is not None and reply[1].ephemeralOwner == owner[0]
+        if not mine or not line or line[0][0] != token:
             self._forget(key, node)
             return False
         node.acquired_at = node.acquired_at or datetime.now(UTC)
@@ -363,6 +352,6 @@ class ZooKeeperProvider(Provider):
         self._views.state_changed()
         if client is not None:
             client.remove_listener(self._on_state)
-        if client is not None and isinstance(self._hosts, str):
-            await asyncio.to_thread(client.stop)
-            await asyncio.to_thread(client.close)
+            if isinstance(self._hosts, str):
+                await asyncio.to_thread(client.stop)
+                await asyncio.to_thread(client.close)

@@ -1,14 +1,12 @@
 """kazoo's replies and watches on the event loop: `future`, and the `Views` of watched groups.
 
-A view is a group as its watches show it: its candidates, listed with a children watch,
-and a data watch on the lowest (the leader). kazoo calls watch functions in its
-event thread and settles replies in its completion thread; both hop to the event loop,
-which alone keeps the views (no lock); a generation number drops a reply sent before a
-change the loop saw first. Every watch of every group is on the provider's one session.
-Watches wake when the leader changes: its node's deletion (applied to the view at once,
-with no read: the view stays right, as nodes only come after it), a listing with another
-lowest node, a change of the leader's record (a term began), and any connection state
-change (every view is then stale, and listed again once CONNECTED).
+A view is a group as its watches show it: its candidates (a children watch) and a data
+watch on the lowest, the leader. kazoo's watch and completion threads hop to the event
+loop, which alone keeps the views (no lock); a generation number drops a reply sent before
+a change the loop saw first. Watches wake when the leader changes: its node's deletion
+(applied at once, with no read: nodes only come after it), a listing with another lowest
+node, a change of its record (a term began), any connection state change (every view is
+then stale, and listed again once CONNECTED).
 """
 
 from __future__ import annotations
@@ -42,11 +40,7 @@ def ordered(children: list[str]) -> list[tuple[int, str]]:
 
 
 def future(loop: asyncio.AbstractEventLoop, sent: Any, missing: Any = RAISE) -> asyncio.Future[Any]:
-    """The reply to kazoo request *sent* (an ``IAsyncResult``) as a future of *loop*.
-
-    Requests sent back to back are pipelined (a session's are answered in order). A
-    NoNodeError gives *missing* when one is given; an unawaited failure counts as seen.
-    """
+    """The reply to kazoo request *sent* as a future of *loop*; NoNodeError gives *missing*."""
     reply: asyncio.Future[Any] = loop.create_future()
     reply.add_done_callback(lambda f: f.cancelled() or f.exception())
 
