@@ -646,11 +646,14 @@ class LeaderElection:
                 return
             try:
                 campaign.watch_alive = True
+                watching = False
                 async for _ in stream:
                     raise_if_cancelled()
                     self._wake.set()
-                    if self._term is not None:
+                    if self._term is not None and watching:
                         self._interrupt.set()  # a leader checks its lease at once
+                    # The first yield only says the watch is on: a leader need not renew.
+                    watching = True
             except Exception as exc:
                 log.warning("watch of %s broke, polling until it is back: %r", self.group, exc)
             finally:
