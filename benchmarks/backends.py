@@ -23,7 +23,7 @@ S = TypeVar("S", bound=Server)
 
 
 class ManyConnectionsPostgres(PostgresServer):
-    """The harness's PostgreSQL, admitting enough connections for the scale run."""
+    """The harness's PostgreSQL, with a ceiling on connections that a run may raise."""
 
     def __init__(self, max_connections: int) -> None:
         super().__init__()
@@ -71,6 +71,19 @@ class Backends:
                 self.urls[name] = self._add(ZooKeeperServer()).url
             else:
                 raise SystemExit(f"unknown backend {name!r}; known: {', '.join(ALL_BACKENDS)}")
+
+    def ensure_postgres_ceiling(self, max_connections: int) -> None:
+        """Restart PostgreSQL (same port, same data) to admit *max_connections* if it does not.
+
+        Only a provider with a connection per watch needs this (see `scale.LEGACY`).
+        """
+        server = self.postgres
+        if not isinstance(server, ManyConnectionsPostgres):
+            return
+        if server.max_connections >= max_connections:
+            return
+        server.max_connections = max_connections
+        server.restart()
 
     def _add(self, server: S) -> S:
         self.servers.append(server)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
@@ -63,18 +64,19 @@ def plan(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def pct(values: list[float], q: float) -> float:
+    """The nearest-rank *q*-th percentile: the smallest sample with q % of all at or below it."""
     ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[index]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered) / 100) - 1))]
 
 
 def summary(ms: list[float], failures: int) -> dict[str, Any]:
-    """Latency samples (milliseconds) as count, failures, p50, p95, mean and max."""
+    """Latency samples (milliseconds) as count, failures, p50, p95, p99, mean and max."""
     return {
         "count": len(ms),
         "failures": failures,
         "p50": pct(ms, 50) if ms else None,
         "p95": pct(ms, 95) if ms else None,
+        "p99": pct(ms, 99) if ms else None,
         "max": max(ms) if ms else None,
         "mean": sum(ms) / len(ms) if ms else None,
     }

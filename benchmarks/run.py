@@ -4,8 +4,11 @@
                                          s3,azure_blob,zookeeper]
                              [--handoffs 100] [--kills 5] [--idle-leases 20] [--lease 1.0]
                              [--peers all|none] [--peer-poll 0.25]
-                             [--scale 1000] [--scale-backends memory,redis,postgres]
+                             [--scale 1000] [--scale-small 100]
+                             [--scale-backends memory,redis,postgres]
                              [--scale-workers 4] [--scale-lease 5] [--scale-window S]
+                             [--groups 10000] [--groups-backends redis,postgres]
+                             [--groups-lease 15] [--groups-window S]
                              [--plot PNG (default: failover.png beside --out)]
                              [--out benchmarks/REPORT.md]
 
@@ -17,14 +20,16 @@ fewer samples (see `LIMITS`). Three measurements per backend:
 1. graceful handoff latency: ``resign()`` of the leader until the other election's ACQUIRED
    event, two elections in this process, each with its own provider on the same URL; then
    ping-pong: the same, but each new leader resigns `PINGPONG_HOLD` after it won, so the
-   leadership goes back to an election that is still in its hold-off;
+   leadership goes back to an election that is still in its hold-off; and the store's own
+   round trip (``roundtrip.py``), to see how many a handoff costs;
 2. crash failover: a 3-process `Cluster`, SIGKILL the leader, time until the next
    ``acquired`` log line (both on ``time.monotonic``);
 3. the store operations caused by one idle follower (its provider wrapped in
    `FaultyProvider`), and for Redis the server's own command counts as a cross-check.
 
 Then, on the same servers and lease: the peers (``peers.py``: tooz and kazoo), the scale
-run (``scale.py``) and the failover picture (``plot.py``).
+run (``scale.py``), one process leading many groups (``groups.py``) and the failover
+picture (``plot.py``).
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration"))
 
+import groups  # noqa: E402
 import peers  # noqa: E402
 import plot  # noqa: E402
+import roundtrip  # noqa: E402
 import scale  # noqa: E402
 from backends import Backends  # noqa: E402
 from common import (  # noqa: E402
@@ -96,6 +103,7 @@ async def measure_handoff(
     """
     rng = random.Random(7)
     phase = "handoff" if hold is None else "pingpong"
+    notify_delay: float | None = None
     providers = [from_url(url), from_url(url)]
     elections = [
         LeaderElection(
@@ -135,6 +143,9 @@ async def measure_handoff(
         # baseline with its first read, and a release before that read goes unseen.
         await _wait(lambda: all(e.statistics().acquire_attempts for e in elections), lease * 5)
         await asyncio.sleep(HANDOFF_RETRY + 1.0)
+        # How long a follower's watch may take to see a release: 0 when the store
+        # notifies, the poll interval when the watch polls (a public provider property).
+        notify_delay = providers[1].notify_delay
         # Ping-pong's first leg hands over to a follower that is not holding off: it only
         # starts the game, and is not a sample.
         for leg in range(count if hold is None else count + 1):
@@ -170,7 +181,7 @@ async def measure_handoff(
             task.cancel()
         for provider in providers:
             await provider.aclose()
-    return summary([x * 1000 for x in latencies], failures)
+    return {**summary([x * 1000 for x in latencies], failures), "notify_delay": notify_delay}
 
 
 # --------------------------------------------------------------------------- 2. crash
@@ -297,6 +308,14 @@ async def run_async(
             results[name]["pingpong_error"] = repr(exc)
         pingpong = results[name].get("pingpong") or results[name].get("pingpong_error")
         say(f"{name}: ping-pong {pingpong}")
+        try:
+            trip = await roundtrip.measure(name, url)
+        except Exception as exc:
+            results[name]["round_trip_error"] = repr(exc)[:300]
+        else:
+            if trip is not None:
+                results[name]["round_trip"] = trip
+                say(f"{name}: round trip {trip}")
 
 
 async def run_idle(
@@ -335,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
     scale_names = [n.strip() for n in args.scale_backends.split(",") if n.strip()]
     scale_names = [n for n in scale_names if n in names] if args.scale else []
+    group_names = [n.strip() for n in args.groups_backends.split(",") if n.strip()]
+    group_names = [n for n in group_names if n in names] if args.groups else []
 
     # SIGTERM/SIGINT: unwind through the finally below, which stops the servers.
     def interrupted(signum: int, frame: object) -> None:
@@ -342,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, interrupted)
     began = time.monotonic()
-    # Every scale participant's watch holds a LISTEN connection of its own (section 5).
-    backends = Backends(names, max_connections=max(200, int(args.scale * 1.2) + 100))
+    # PostgreSQL starts with the harness's 200 connections; the scale and groups phases
+    # raise it only for a provider that holds a connection per watch (scale.LEGACY).
+    backends = Backends(names)
     results: dict[str, dict[str, Any]] = {n: {"plan": plan(n, args)} for n in names}
     loads: list[tuple[str, tuple[float, float, float]]] = []
 
@@ -370,17 +392,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         background.start()
         sections: list[str] = []
+        extra: dict[str, Any] = {}
         if args.peers == "all":
             phase("peers")
-            peer_results = peers.run_all(backends.urls, args, measure_crash, results)
-            sections += peers.report_section(peer_results, args)
+            extra["peers"] = peers.run_all(backends.urls, args, measure_crash, results)
+            sections += peers.report_section(extra["peers"], args)
+        probes: dict[str, dict[str, Any]] = {}
         if scale_names:
-            sections += run_scale(backends, scale_names, args, phase)
+            extra["scale"] = run_scale(backends, scale_names, args, phase, probes)
+            sections += scale.report_section(extra["scale"], args)
+        if group_names:
+            extra["groups"] = run_groups(backends, group_names, args, phase, probes)
+            sections += groups.report_section(extra["groups"], args)
         if args.plot:
             sections += plot.run(backends.urls, args, phase)
         background.join()
         phase("report")
-        text = write_report(args, results, time.monotonic() - began, sections, loads)
+        text = write_report(args, results, time.monotonic() - began, sections, loads, extra)
     finally:
         backends.close()
     Path(args.out).write_text(text)
@@ -399,10 +427,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peers", choices=("all", "none"), default="all")
     parser.add_argument("--peer-poll", type=float, default=0.25, help="tooz's poll period")
     parser.add_argument("--scale", type=int, default=1000, help="participants; 0: skip")
+    parser.add_argument(
+        "--scale-small", type=int, default=100, help="a second, smaller size; 0: skip"
+    )
     parser.add_argument("--scale-backends", default="memory,redis,postgres")
     parser.add_argument("--scale-workers", type=int, default=4)
     parser.add_argument("--scale-lease", type=float, default=5.0)
     parser.add_argument("--scale-window", type=float, default=None)
+    parser.add_argument("--groups", type=int, default=10000, help="groups led; 0: skip")
+    parser.add_argument("--groups-backends", default="redis,postgres")
+    parser.add_argument("--groups-lease", type=float, default=15.0)
+    parser.add_argument("--groups-window", type=float, default=None)
     parser.add_argument("--plot", default=None, help="default: failover.png beside --out")
     parser.add_argument("--plot-backend", default="postgres")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "REPORT.md"))
@@ -428,30 +463,95 @@ def run_crashes(urls: dict[str, str], args: argparse.Namespace, results: dict[st
         say(f"{name}: crash {results[name].get('crash') or results[name].get('crash_error')}")
 
 
+def _store(backends: Backends, name: str, url: str) -> scale.StoreStats:
+    server = {"redis": backends.redis, "postgres": backends.postgres}.get(name)
+    return scale.StoreStats(name, url, server.pid if server is not None else None)
+
+
+def _probe(backends: Backends, name: str, probes: dict[str, dict[str, Any]]) -> bool:
+    """Whether *name*'s provider holds a connection per watch (probed once per run)."""
+    if name not in ("redis", "postgres"):
+        return False
+    if name not in probes:
+        url = backends.urls[name]
+        try:
+            probes[name] = scale.probe(url, _store(backends, name, url))
+        except Exception as exc:
+            probes[name] = {"error": repr(exc)[:300], "legacy": False}
+        say(f"{name}: watch probe {probes[name]}")
+    return bool(probes[name]["legacy"])
+
+
 def run_scale(
     backends: Backends,
     names: list[str],
     args: argparse.Namespace,
     phase: Callable[[str], None],
-) -> list[str]:
+    probes: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    servers = {"redis": backends.redis, "postgres": backends.postgres}
     for name in names:
         phase(f"scale {name}")
+        legacy = _probe(backends, name, probes)
+        if legacy and name == "postgres":
+            backends.ensure_postgres_ceiling(scale.postgres_ceiling(args.scale))
         url = "memory://scale" if name == "memory" else backends.urls[name]
-        server = servers.get(name)
-        store = scale.StoreStats(name, url, server.pid if server is not None else None)
-        say(f"{name}: {args.scale} participants over {args.scale_workers} workers")
-        with tempfile.TemporaryDirectory(prefix="multilock-scale-") as tmp:
+        store = _store(backends, name, url)
+        out[name] = {"probe": probes.get(name), "runs": []}
+        sizes = [args.scale]
+        if name in ("redis", "postgres") and 0 < args.scale_small < args.scale:
+            sizes.insert(0, args.scale_small)
+        for n in sizes:
+            say(f"{name}: {n} participants over {args.scale_workers} workers")
+            with tempfile.TemporaryDirectory(prefix="multilock-scale-") as tmp:
+                try:
+                    run = scale.measure(
+                        name, url, n, args.scale_workers, args.scale_lease, store, Path(tmp),
+                        args.scale_window, legacy=legacy, failovers=n == args.scale,
+                    )  # fmt: skip
+                except Exception as exc:
+                    run = {"n": n, "legacy": legacy, "error": repr(exc)[:300]}
+            out[name]["runs"].append(run)
+            say(f"{name}: scale {run}")
+    return out
+
+
+def run_groups(
+    backends: Backends,
+    names: list[str],
+    args: argparse.Namespace,
+    phase: Callable[[str], None],
+    probes: dict[str, dict[str, Any]],
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        phase(f"groups {name}")
+        legacy = _probe(backends, name, probes)
+        if legacy and args.groups > groups.LEGACY_MAX[name]:
+            out[name] = {
+                "n": args.groups,
+                "skipped": f"skipped: this provider holds a server connection per watch (the "
+                f"watch probe: {probes[name]['per_watch']:.2f} per extra watch), so "
+                f"{args.groups} groups would need as many; the run goes only to "
+                f"{groups.LEGACY_MAX[name]} such connections on {name}",
+            }
+            say(f"{name}: groups {out[name]}")
+            continue
+        if legacy and name == "postgres":
+            backends.ensure_postgres_ceiling(scale.postgres_ceiling(args.groups))
+        url = "memory://groups" if name == "memory" else backends.urls[name]
+        store = _store(backends, name, url)
+        say(f"{name}: one process leading {args.groups} groups, lease {args.groups_lease:g} s")
+        with tempfile.TemporaryDirectory(prefix="multilock-groups-") as tmp:
             try:
-                out[name] = scale.measure(
-                    name, url, args.scale, args.scale_workers, args.scale_lease, store,
-                    Path(tmp), args.scale_window,
+                out[name] = groups.measure(
+                    name, url, args.groups, args.groups_lease, store, Path(tmp),
+                    args.groups_window, legacy=legacy,
                 )  # fmt: skip
             except Exception as exc:
-                out[name] = {"error": repr(exc)[:300]}
-        say(f"{name}: scale {out[name]}")
-    return scale.report_section(out, args.scale_workers)
+                out[name] = {"n": args.groups, "error": repr(exc)[:300]}
+        say(f"{name}: groups {out[name]}")
+    return out
 
 
 if __name__ == "__main__":

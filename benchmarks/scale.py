@@ -1,24 +1,31 @@
 """multilock at scale: N participants in one group, as asyncio elections over a few processes.
 
-``run.py --scale N`` calls `measure` per backend. N participants do not fit on 2 cores as
-N processes, so they run as N `LeaderElection`s spread evenly over ``--scale-workers``
-worker processes (this module run as a program). Each worker shares one provider among its
-elections, the way a service hosting many elections would: ``from_url`` for memory and
-Redis, and for PostgreSQL a `PostgresProvider` on one ``psycopg_pool`` pool per process.
-The in-memory store lives in one process, so memory runs one worker. Every provider is
-wrapped in `FaultyProvider` to count its calls.
+``run.py --scale N`` calls `measure` per backend, at N and at the smaller
+``--scale-small`` size (Redis and PostgreSQL, to show whether the server connections
+depend on the number of elections). N participants do not fit on 2 cores as N processes,
+so they run as N `LeaderElection`s spread evenly over ``--scale-workers`` worker processes
+(this module run as a program). Each worker shares one provider among its elections, the
+way a service hosting many elections would: ``from_url``. The in-memory store lives in one
+process, so memory runs one worker. Every provider is wrapped in `FaultyProvider` to
+count its calls.
+
+Before that, `probe` opens 1 and then 100 watches of as many groups on one provider and
+counts the server's connections: a provider that holds a connection per watch (the
+providers before issue #11) needs the old workaround (`LEGACY`), which this run then
+applies by itself; one that multiplexes its watches runs as is.
 
 Measured: time until all N elections started and to the first leader, steady-state CPU
 and RSS of the workers (psutil) per participant, provider calls per second for the group,
-the server's own count of operations and its CPU, and two failovers: the leading
-election stopped (graceful) and, with more than one worker, the leader's whole worker
-process SIGKILLed.
+the server's own count of operations, its connections and its CPU, and (at N) two
+failovers: the leading election stopped (graceful) and, with more than one worker, the
+leader's whole worker process SIGKILLed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -32,20 +39,47 @@ from typing import Any
 from common import fmt, say
 
 WORKER = Path(__file__).resolve()
-POOL_SIZE = 10  # connections per worker's psycopg pool (PostgreSQL)
+#: Connections in the caller's psycopg pool of a legacy PostgreSQL worker.
+POOL_SIZE = 10
+#: Watches the probe opens on one provider: well above a bounded command pool (the first
+#: read of each watch may fill the pool), far below the server's limits when each holds
+#: a connection.
+PROBE_WATCHES = 100
+#: Connections per extra watch that mark a provider as holding one per watch (such a
+#: provider shows 1 or more; one that shares its connections, its pool bound / 99 or less).
+LEGACY_PER_WATCH = 0.75
+#: The workaround a provider that holds a server connection per open watch (the providers
+#: before issue #11) needs, per backend: the run applies it when `probe` finds one.
+LEGACY = {
+    "redis": "redis-py's pool limit raised through the URL (`max_connections` = 3 x "
+    "elections + 50 per process; its default of 100 breaks watches and campaign rounds with "
+    "`MaxConnectionsError` past about 100 elections)",
+    "postgres": "the server restarted with `max_connections` = 1.2 x elections + 100 (the "
+    f"harness starts it with 200), and a `psycopg_pool` pool of {POOL_SIZE} connections per "
+    "process for the commands (this provider opens a connection per concurrent call)",
+}
+
+
+def postgres_ceiling(elections: int) -> int:
+    """The server's max_connections for *elections* LISTEN connections (legacy providers)."""
+    return int(elections * 1.2) + 100
 
 
 # --------------------------------------------------------------------------- the worker
-async def _provider(backend: str, url: str, count: int) -> tuple[Any, Callable[[], Any]]:
+async def make_provider(
+    backend: str, url: str, count: int, legacy: bool
+) -> tuple[Any, Callable[[], Any]]:
+    """The provider a worker process shares among its *count* elections, and its closer.
+
+    Plain: ``from_url``. *legacy*: the workaround a provider with a connection per watch
+    needs (`LEGACY`).
+    """
     from multilock.core import from_url
 
-    if backend == "redis":
-        # redis-py's pool holds 100 connections by default, and every election's watch
-        # keeps one (its pub/sub subscription) while its campaign rounds need more: room
-        # for all of this worker's at once.
+    if legacy and backend == "redis":
         sep = "&" if "?" in url else "?"
         url = f"{url}{sep}max_connections={3 * count + 50}"
-    if backend != "postgres":
+    if not legacy or backend != "postgres":
         provider = from_url(url)
         return provider, provider.aclose
     from psycopg_pool import AsyncConnectionPool
@@ -68,7 +102,7 @@ async def _provider(backend: str, url: str, count: int) -> tuple[Any, Callable[[
 async def _worker(args: argparse.Namespace) -> int:
     import psutil
 
-    from multilock.core import EventKind, LeaderElection
+    from multilock.core import LeaderElection
     from multilock.core.testing import FaultyProvider
 
     fd = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -78,8 +112,10 @@ async def _worker(args: argparse.Namespace) -> int:
         record = {"t": time.monotonic(), "participant": args.name, "event": event, **fields}
         os.write(fd, (json.dumps(record) + "\n").encode())
 
-    inner, close = await _provider(args.backend, os.environ["MULTILOCK_SCALE_URL"], args.count)
+    url = os.environ["MULTILOCK_SCALE_URL"]
+    inner, close = await make_provider(args.backend, url, args.count, args.legacy)
     provider = FaultyProvider(inner)
+    log("ready", rss=me.memory_info().rss)  # the base of RSS per participant
     elections = [
         LeaderElection(
             provider, group=args.group, participant_id=f"{args.name}-{i}", lease_duration=args.lease
@@ -87,15 +123,24 @@ async def _worker(args: argparse.Namespace) -> int:
         for i in range(args.count)
     ]
 
-    async def pump(election: LeaderElection, stream: Any) -> None:
-        async for event in stream:
-            log("acquired", who=election.participant_id, token=event.token)
+    # Leaders are spotted by polling `is_leader` every millisecond while the parent's spot
+    # file exists (from the start until it has seen a first leader, and around each
+    # failover), not by an `events()` subscriber per election, which would add its own
+    # task and queue (about 5 KB) to every participant's RSS.
+    logged: set[tuple[str, int | None]] = set()
 
-    pumps = [asyncio.create_task(pump(e, e.events(EventKind.ACQUIRED))) for e in elections]
-    log("ready", rss=me.memory_info().rss)
-    for election in elections:
-        await election.start()
-    log("started", rss=me.memory_info().rss)
+    async def spot() -> None:
+        while True:
+            if not os.path.exists(args.spot):  # noqa: ASYNC240 (a local stat, microseconds)
+                await asyncio.sleep(0.1)
+                continue
+            for election in elections:
+                if election.is_leader:
+                    key = (election.participant_id, election.statistics().token)
+                    if key not in logged:
+                        logged.add(key)
+                        log("acquired", who=key[0], token=key[1])
+            await asyncio.sleep(0.001)
 
     async def stop_leader(at: float) -> None:
         for election in elections:
@@ -108,6 +153,10 @@ async def _worker(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, lambda: loop.create_task(stop_leader(time.monotonic())))
+    spotter = asyncio.create_task(spot())
+    for election in elections:
+        await election.start()
+    log("started", rss=me.memory_info().rss)
     while not stop.is_set():
         log("calls", calls=dict(provider.calls))
         try:
@@ -115,9 +164,8 @@ async def _worker(args: argparse.Namespace) -> int:
                 await stop.wait()
         except TimeoutError:
             pass
+    spotter.cancel()
     await asyncio.gather(*(e.stop() for e in elections))
-    for task in pumps:
-        task.cancel()
     await close()
     log("exited")
     return 0
@@ -145,29 +193,36 @@ class StoreStats:
         return None
 
     def connections(self) -> int | None:
+        """Client connections the server holds, the one asking not counted."""
         if self.backend == "redis":
             import redis
 
             with redis.Redis.from_url(self.url, socket_timeout=5) as client:
-                return int(client.info("clients")["connected_clients"])
+                return int(client.info("clients")["connected_clients"]) - 1
         if self.backend == "postgres":
-            return int(self._pg("SELECT count(*) FROM pg_stat_activity "
-                                "WHERE backend_type = 'client backend'"))  # fmt: skip
+            return int(self._pg("SELECT count(*) FROM pg_stat_activity WHERE backend_type = "
+                                "'client backend' AND pid <> pg_backend_pid()"))  # fmt: skip
         return None
 
     def cpu_seconds(self) -> float | None:
+        """CPU seconds of the server's process tree, exited children included.
+
+        PostgreSQL forks a backend per connection: a backend that exits between two
+        samples moves its time into the postmaster's children times, so those count too.
+        """
         import psutil
 
         if self.pid is None:
             return None
         process = psutil.Process(self.pid)
-        total = 0.0
-        for p in [process, *process.children(recursive=True)]:
+        times = process.cpu_times()
+        total = times.user + times.system + times.children_user + times.children_system
+        for child in process.children(recursive=True):
             try:
-                times = p.cpu_times()
+                times = child.cpu_times()
             except psutil.Error:
                 continue
-            total += times.user + times.system
+            total += times.user + times.system + times.children_user + times.children_system
         return total
 
     def _pg(self, query: str) -> Any:
@@ -179,24 +234,92 @@ class StoreStats:
         return row[0]
 
 
+# --------------------------------------------------------------------------- the probe
+def probe(url: str, store: StoreStats) -> dict[str, Any]:
+    """The server connections one plain provider holds with 1, then `PROBE_WATCHES` watches.
+
+    ``legacy`` in the answer: each extra watch added about a connection (`LEGACY`).
+    """
+    return asyncio.run(_probe(url, store))
+
+
+async def _probe(url: str, store: StoreStats) -> dict[str, Any]:
+    from multilock.core import from_url
+
+    provider = from_url(url)
+    streams: list[Any] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    async def follow(stream: Any) -> None:
+        async for _ in stream:
+            pass
+
+    counts: dict[int, int] = {}
+    try:
+        counts[0] = await _settled(store)
+        for target in (1, PROBE_WATCHES):
+            while len(streams) < target:
+                stream = provider.watch(f"bench-probe-{len(streams)}")
+                if stream is None:
+                    return {"watches": 0, "legacy": False, "counts": counts}
+                streams.append(stream)
+                tasks.append(asyncio.create_task(follow(stream)))
+            counts[target] = await _settled(store)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+        await provider.aclose()
+    per_watch = (counts[PROBE_WATCHES] - counts[1]) / (PROBE_WATCHES - 1)
+    return {
+        "watches": PROBE_WATCHES,
+        "counts": counts,
+        "per_watch": per_watch,
+        "legacy": per_watch >= LEGACY_PER_WATCH,
+    }
+
+
+async def _settled(store: StoreStats, within: float = 5.0) -> int:
+    """The server's connection count once it has not changed for 0.6 s (or *within*)."""
+    deadline = time.monotonic() + within
+    seen: list[int] = []
+    while True:
+        await asyncio.sleep(0.2)
+        count = await asyncio.to_thread(store.connections)
+        assert count is not None
+        seen.append(count)
+        if (len(seen) >= 3 and len(set(seen[-3:])) == 1) or time.monotonic() > deadline:
+            return count
+
+
 # --------------------------------------------------------------------------- the run
 class ScaleRun:
     """The worker processes of one backend's run, and what their logs say."""
 
-    def __init__(self, backend: str, url: str, n: int, workers: int, lease: float, tmp: Path):
-        self.backend, self.lease, self.tmp = backend, lease, tmp
+    def __init__(
+        self, backend: str, url: str, n: int, workers: int, lease: float, tmp: Path, legacy: bool
+    ) -> None:
+        self.backend, self.n, self.lease, self.tmp, self.legacy = backend, n, lease, tmp, legacy
         workers = 1 if backend == "memory" else max(1, min(workers, n))
         self.sizes = [n // workers + (1 if i < n % workers else 0) for i in range(workers)]
         self.env = {**os.environ, "MULTILOCK_SCALE_URL": url}
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.spot_file = tmp / "spot"
+        self.spot_file.touch()  # spot the first leader
 
     def launch(self) -> float:
         began = time.monotonic()
         for i, size in enumerate(self.sizes):
             cmd = [
                 sys.executable, str(WORKER), "--backend", self.backend, "--name", f"w{i}",
-                "--count", str(size), "--group", f"scale-{self.backend}",
+                "--count", str(size), "--group", f"scale-{self.backend}-{self.n}",
                 "--lease", str(self.lease), "--log", str(self.tmp / f"w{i}.jsonl"),
+                "--spot", str(self.spot_file), *(["--legacy"] if self.legacy else []),
             ]  # fmt: skip
             with open(self.tmp / f"w{i}.stderr", "ab") as stderr:
                 self.procs.append(subprocess.Popen(cmd, env=self.env, stderr=stderr))
@@ -243,6 +366,18 @@ class ScaleRun:
                 latest[r["participant"]] = r["calls"]
         return sum(v for c in latest.values() for k, v in c.items() if k != "watch")
 
+    def spot(self, on: bool) -> None:
+        """Ask every worker to log new leaders within a millisecond (or to stop).
+
+        A file, not a signal: a level that the workers poll (every 0.1 s while it is
+        absent) cannot arrive out of order.
+        """
+        if on:
+            self.spot_file.touch()
+            time.sleep(0.15)  # every worker has seen it
+        else:
+            self.spot_file.unlink(missing_ok=True)
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -269,9 +404,12 @@ def measure(
     store: StoreStats,
     tmp: Path,
     window: float | None = None,
+    legacy: bool = False,
+    failovers: bool = True,
 ) -> dict[str, Any]:
-    run = ScaleRun(backend, url, n, workers, lease, tmp)
-    out: dict[str, Any] = {"n": n, "workers": len(run.sizes), "lease": lease}
+    """One run of *n* elections; *failovers* False skips the two failovers at its end."""
+    run = ScaleRun(backend, url, n, workers, lease, tmp, legacy)
+    out: dict[str, Any] = {"n": n, "workers": len(run.sizes), "lease": lease, "legacy": legacy}
     try:
         launched = run.launch()
 
@@ -281,6 +419,7 @@ def measure(
 
         done = run.wait(started, 120 + n / 10)
         first = run.wait(_leader, lease * 10 + 30)
+        run.spot(False)
         records = run.records()
         ready = {r["participant"]: r["rss"] for r in records if r["event"] == "ready"}
         first_start = min(r["t"] for r in records if r["event"] == "ready")
@@ -307,6 +446,8 @@ def measure(
             connections=store.connections(),
             window_s=seconds,
         )
+        if not failovers:
+            return out
         out["graceful_s"] = _failover(run, "graceful", lease)
         if len(run.sizes) > 1:
             out["crash_s"] = _failover(run, "crash", lease)
@@ -320,6 +461,7 @@ def _failover(run: ScaleRun, how: str, lease: float) -> float:
     assert leader is not None
     worker = int(leader["participant"].removeprefix("w"))
     proc = run.procs[worker]
+    run.spot(True)
     if how == "graceful":
         at = time.monotonic()
         proc.send_signal(signal.SIGUSR1)
@@ -328,67 +470,143 @@ def _failover(run: ScaleRun, how: str, lease: float) -> float:
         proc.wait()
         at = time.monotonic()
     nxt = run.wait(lambda records: _leader(records, after=at), lease * 10 + 30)
+    run.spot(False)
     say(f"{run.backend}: {how} failover {leader['who']} -> {nxt['who']}: {nxt['t'] - at:.3f} s")
     return float(nxt["t"] - at)
 
 
 # --------------------------------------------------------------------------- the report
-def report_section(results: dict[str, dict[str, Any]], workers: int) -> list[str]:
+#: The issue's targets for an idle participant on Redis and PostgreSQL.
+MAX_RSS_KB = 20.0
+MAX_CPU_PERCENT = 0.05
+
+
+def report_section(results: dict[str, dict[str, Any]], args: Any) -> list[str]:
+    """Section 5; *results*: backend -> {"probe": probe(), "runs": [measure(), ...]}."""
     if not results:
         return []
-    n = next(iter(results.values())).get("n", "?")
-    lease = next(iter(results.values())).get("lease", 0)
+    small = f" (and {args.scale_small}, on Redis and PostgreSQL)" if args.scale_small else ""
     out = [
         "",
-        f"## 5. multilock at scale: {n} participants in one group",
+        f"## 5. multilock at scale: {args.scale} participants in one group{small}",
         "",
-        f"{n} `LeaderElection`s in one group, lease {lease:g} s (renew lease/3, retry "
-        f"min(2 s, lease)), spread evenly over {workers} worker processes (memory: one "
-        "process, its store lives there). Each worker shares one provider among its "
-        "elections: `from_url` for memory and Redis; for PostgreSQL a `PostgresProvider` on "
-        f"one `psycopg_pool` pool of at most {POOL_SIZE} connections per process. CPU and "
-        "RSS are the workers' (psutil), over a steady-state window after the start; RSS per "
-        "participant is the workers' growth from just before the elections were created. "
-        "Provider calls are counted on each worker's provider (watch wake-ups excluded); "
-        "server ops are the server's own count (Redis commands, PostgreSQL transactions).",
+        f"N `LeaderElection`s in one group, lease {args.scale_lease:g} s (renew lease/3, "
+        f"retry min(2 s, lease)), spread evenly over {args.scale_workers} worker processes "
+        "(memory: one process, its store lives there). Each worker shares one provider "
+        "among its elections (`from_url`, unless the probe below found a connection per "
+        "watch). CPU and RSS are the workers' (psutil), over a steady-state window after the "
+        "start; per participant: the workers' CPU divided by N, and their RSS growth from "
+        "just before the elections were created, divided by N (all but one participant are "
+        "idle followers). Provider calls are counted on each worker's provider (watch "
+        "wake-ups excluded); server ops are the server's own count (Redis commands, "
+        "PostgreSQL transactions); connections are the server's own count of client "
+        "connections at the end of the window (Redis `INFO clients` connected_clients, "
+        "PostgreSQL `pg_stat_activity` client backends), the one asking excluded. The "
+        "failovers run at N only.",
         "",
-        "| backend | workers | all started s | first leader s | CPU % (all workers) "
-        "| CPU % per participant | RSS MB | RSS KB per participant | provider calls/s "
-        "| server ops/s | server CPU % | connections | graceful failover s "
+        "| backend | N | workers | provider | all started s | first leader s "
+        "| CPU % (all workers) | CPU % per participant | RSS MB | RSS KB per participant "
+        "| provider calls/s | server ops/s | server CPU % | connections | graceful failover s "
         "| crash failover s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for backend, r in results.items():
-        if "error" in r:
-            out.append(f"| {backend} | error: {r['error']} |||||||||||||")
+    for backend, res in results.items():
+        for r in res.get("runs", []):
+            how = "legacy" if r.get("legacy") else "from_url"
+            if "error" in r:
+                out.append(f"| {backend} | {r.get('n', '?')} | error: {r['error']} |||||||||||||")
+                continue
+            out.append(
+                f"| {backend} | {r['n']} | {r['workers']} | {how} | {r['all_started_s']:.2f} | "
+                f"{r['first_leader_s']:.3f} | {r['cpu_percent']:.1f} | "
+                f"{r['cpu_percent'] / r['n']:.4f} | {r['rss_mb']:.0f} | "
+                f"{r['rss_per_participant_kb']:.1f} | {r['provider_calls_per_s']:.0f} | "
+                f"{fmt(r['server_ops_per_s'], 0)} | {fmt(r['server_cpu_percent'], 1)} | "
+                f"{r['connections'] if r['connections'] is not None else 'n/a'} | "
+                f"{fmt(r.get('graceful_s'), 3)} | {fmt(r.get('crash_s'), 3)} |"
+            )
+    out += ["", *_probe_notes(results), *NOTES]
+    return out
+
+
+def _probe_notes(results: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    for backend, res in results.items():
+        p = res.get("probe")
+        if p is None:
             continue
-        out.append(
-            f"| {backend} | {r['workers']} | {r['all_started_s']:.2f} | "
-            f"{r['first_leader_s']:.3f} | {r['cpu_percent']:.1f} | "
-            f"{r['cpu_percent'] / r['n']:.4f} | {r['rss_mb']:.0f} | "
-            f"{r['rss_per_participant_kb']:.1f} | {r['provider_calls_per_s']:.0f} | "
-            f"{fmt(r['server_ops_per_s'], 0)} | {fmt(r['server_cpu_percent'], 1)} | "
-            f"{r['connections'] if r['connections'] is not None else 'n/a'} | "
-            f"{r['graceful_s']:.3f} | {fmt(r.get('crash_s'), 3)} |"
+        if "error" in p:
+            lines.append(f"- Watch probe on {backend}: error {p['error']}")
+            continue
+        if not p.get("watches"):
+            lines.append(f"- Watch probe on {backend}: the provider has no watch")
+            continue
+        c = p["counts"]
+        verdict = (
+            f"about one connection per watch, so the run applied the old workaround "
+            f'("legacy"): {LEGACY[backend]}'
+            if p["legacy"]
+            else "the watches share the provider's connections: the run used plain `from_url`"
         )
-    return [*out, "", *NOTES]
+        lines.append(
+            f"- Watch probe on {backend}: one `from_url` provider, server connections with no "
+            f"watch open {c[0]}, with 1 watch {c[1]}, with {p['watches']} watches of "
+            f"{p['watches']} groups {c[p['watches']]} ({p['per_watch']:.2f} per extra watch): "
+            f"{verdict}."
+        )
+    return lines
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The Targets lines of the scale run: connections, and an idle participant's cost."""
+    lines = []
+    for backend in ("redis", "postgres"):
+        runs = [r for r in results.get(backend, {}).get("runs", []) if "error" not in r]
+        if not runs:
+            if backend in results:
+                lines.append(f"- Scale on {backend}: not measured (error)")
+            continue
+        runs.sort(key=lambda r: r["n"])
+        big = runs[-1]
+        counts = ", ".join(f"{r['n']} elections: {r['connections']}" for r in runs)
+        what = f"Server connections independent of the number of elections on {backend}"
+        if len(runs) < 2:
+            lines.append(f"- {what}: not judged, one size only ({counts})")
+        else:
+            # One provider per worker: its pool may open a few more connections under a
+            # larger start-up herd, up to its bound, but not one per election.
+            ok = big["connections"] <= runs[0]["connections"] + big["workers"]
+            lines.append(
+                f"- {what}: {_verdict(ok)} ({counts}; {big['workers']} worker processes, one "
+                f"provider each; met when the larger size holds at most one more per worker)"
+            )
+        kb, cpu = big["rss_per_participant_kb"], big["cpu_percent"] / big["n"]
+        ok = kb <= MAX_RSS_KB and cpu <= MAX_CPU_PERCENT
+        lines.append(
+            f"- Idle participant at most {MAX_RSS_KB:g} KB and {MAX_CPU_PERCENT:g} % of a core "
+            f"on {backend} ({big['n']} elections): {_verdict(ok)} ({kb:.1f} KB, {cpu:.4f} %)"
+        )
+    return lines
+
+
+def _verdict(ok: bool) -> str:
+    return "**met**" if ok else "**NOT met**"
 
 
 NOTES = [
-    "- Connections: every election's watch holds a connection of its own (a Redis pub/sub "
-    "subscription, a PostgreSQL LISTEN connection), even when the elections share one "
-    "provider, so N participants need at least N server connections. The run raises "
-    "redis-py's pool limit through the URL (`max_connections` = 3 x elections + 50 per "
-    "worker: with redis-py's default of 100, watches and campaign rounds fail with "
-    "`MaxConnectionsError` past about 100 elections per provider, and the elections fall "
-    "back to polling) and starts PostgreSQL with `max_connections` = 1.2 x N + 100 (its "
-    "default is 100). The Redis count also holds the pooled connections that the start-up "
-    "herd opened and that stay idle in the pools.",
+    "- Connections: a provider that multiplexes its watches holds its listening connection "
+    "(a Redis pub/sub connection, a PostgreSQL LISTEN connection) plus its bounded command "
+    "pool, whatever the number of elections; one that holds a connection per watch needs "
+    "at least N connections for N participants (see the probe). The count is taken after "
+    "the start-up herd, so it includes the pooled connections the herd opened that stay "
+    "idle in the pools.",
     "- Failovers: the leading election is stopped (it releases, and the store notifies) "
     "or its whole worker is SIGKILLed (its lease must expire); the time runs to the next "
-    "ACQUIRED in any worker. Every follower wakes at once and reads (`get_leader`) before "
-    "one of them acquires, so at this size the time is mostly that herd: N reads queued "
-    "on the workers' event loops and pools.",
+    "leader in any worker (around a failover each worker looks at its elections' "
+    "`is_leader` every millisecond; they have no `events()` subscriber each, which would "
+    "add about 5 KB to every participant's RSS). Every follower wakes at once and reads "
+    "(`get_leader`) before one of them acquires, so at this size the time is mostly that "
+    "herd: N reads queued on the workers' event loops and pools.",
     "- CPU % is of one core (100 = one core busy); the machine has 2 cores shared with "
     "other jobs (see the load averages in Machine).",
 ]
@@ -396,10 +614,11 @@ NOTES = [
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one scale worker process")
-    for flag in ("--backend", "--name", "--group", "--log"):
+    for flag in ("--backend", "--name", "--group", "--log", "--spot"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--lease", type=float, required=True)
+    parser.add_argument("--legacy", action="store_true", help="see LEGACY")
     return asyncio.run(_worker(parser.parse_args(argv)))
 
 

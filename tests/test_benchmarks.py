@@ -3,7 +3,8 @@
 Numbers are not judged here (performance targets live in benchmarks/REPORT.md); this
 proves the measurements run: every handoff and ping-pong hand-back happens, every crash
 timeline is safe, every peer (tooz, kazoo) is measured, the scale run reaches a leader and
-fails over on each of its backends, and the failover picture is drawn.
+fails over on each of its backends, one process leads many groups on Redis and PostgreSQL,
+and the failover picture is drawn.
 """
 
 import os
@@ -23,6 +24,7 @@ PEERS = [
     ("tooz", "zookeeper"), ("kazoo", "zookeeper"),
 ]  # fmt: skip
 SCALE = ["memory", "redis", "postgres"]
+GROUPS = ["redis", "postgres"]
 
 
 def section(text: str, number: int) -> str:
@@ -43,7 +45,8 @@ def test_benchmark_runner_measures_everything(tmp_path):
     command += ["--backends", ",".join(BACKENDS), "--handoffs", "4"]
     command += ["--kills", "1", "--idle-leases", "2", "--plot", str(picture)]
     command += ["--scale", "12", "--scale-workers", "2", "--scale-lease", "1"]
-    command += ["--scale-window", "1"]
+    command += ["--scale-window", "1", "--scale-small", "6"]
+    command += ["--groups", "40", "--groups-lease", "1", "--groups-window", "1"]
     result = subprocess.run(
         command,
         capture_output=True,
@@ -57,9 +60,9 @@ def test_benchmark_runner_measures_everything(tmp_path):
     handoff, pingpong = section(text, 1).split("\n### Ping-pong")
     for backend in BACKENDS:
         row = cells(handoff, backend)
-        assert row[2:4] == ["4", "0"], f"{backend}: handoffs/failed are {row[2:4]}"
+        assert row[3:5] == ["4", "0"], f"{backend}: handoffs/failed are {row[3:5]}"
         row = cells(pingpong, backend)
-        assert row[2:4] == ["4", "0"], f"{backend}: ping-pong hand-backs/failed are {row[2:4]}"
+        assert row[3:5] == ["4", "0"], f"{backend}: ping-pong hand-backs/failed are {row[3:5]}"
         if backend != "memory":
             crash = cells(section(text, 2), backend)
             assert crash[-1] == "ok", crash
@@ -74,12 +77,21 @@ def test_benchmark_runner_measures_everything(tmp_path):
     scale = section(text, 5)
     assert "12 participants" in scale
     for backend in SCALE:
-        row = cells(scale, backend)
-        assert row[1] == ("1" if backend == "memory" else "2"), row
-        float(row[3])  # time to the first leader
-        float(row[12])  # the graceful failover
+        row = cells(scale, backend, "12")
+        assert row[2] == ("1" if backend == "memory" else "2"), row
+        float(row[5])  # time to the first leader
+        float(row[14])  # the graceful failover
         if backend != "memory":
-            float(row[13])  # the crash failover: a worker SIGKILLed
+            float(row[15])  # the crash failover: a worker SIGKILLed
+            float(cells(scale, backend, "6")[9])  # the smaller run's RSS per participant
 
-    assert "![failover timeline](failover.png)" in section(text, 6)
+    groups = section(text, 6)
+    assert "40 groups" in groups
+    for backend in GROUPS:
+        row = cells(groups, backend)
+        assert row[1] == "40", row
+        float(row[3])  # until all lead
+        assert row[11] == "40", f"{backend}: fewest leading {row[11]}"
+
+    assert "![failover timeline](failover.png)" in section(text, 7)
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
