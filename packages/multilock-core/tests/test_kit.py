@@ -384,3 +384,34 @@ def test_sql_identifier_limits_and_reserved_prefixes() -> None:
     assert validate_identifier("x" * 128, "table", max_length=128) == "x" * 128
     with pytest.raises(ConfigurationError, match="'pg_' names are reserved"):
         validate_identifier("pg_catalog", "schema", max_length=63, reserved_prefixes=("pg_",))
+
+
+def test_a_watch_cancelled_during_its_expiry_read_leaves_the_hub_consistent():
+    async def body(clock: FakeClock) -> None:
+        store = FakeStore()
+        gate = asyncio.Event()
+
+        async def hanging_expires_in(group: str) -> float | None:
+            await gate.wait()
+            raise ConnectionResetError("the read failed after everyone left")
+
+        hub = Notifications(store.listen, name="fake", expires_in=hanging_expires_in)
+        stays, leaves = Follow(hub.watch("g")), Follow(hub.watch("g"))
+        assert await stays.next(0.1) is not None
+        assert await leaves.next(0.1) is not None  # both now wait on one shared read
+        await leaves.aclose()  # cancelled at that await
+        assert hub.groups == {"g"}
+        assert store.connections == 1
+        await stays.aclose()
+        await asyncio.sleep(0)
+        assert hub.groups == frozenset()
+        assert store.connections == 0
+        assert not hub.listening
+        gate.set()  # the orphaned read fails: retrieved, nothing left behind
+        await asyncio.sleep(0.01)
+        again = Follow(hub.watch("g"))
+        assert await again.next(0.1) is not None
+        await again.aclose()
+        await hub.aclose()
+
+    run(body)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 
@@ -224,9 +225,15 @@ class Notifications:
         if reading is None:
             reading = asyncio.ensure_future(self._expires_in(group))
             self._reading[group] = reading
-            reading.add_done_callback(lambda _: self._reading.pop(group, None))
+            reading.add_done_callback(functools.partial(self._read, group))
         left = await asyncio.shield(reading)
         return None if left is None else max(0.0, left) + EXPIRY_SLACK
+
+    def _read(self, group: str, reading: asyncio.Future[float | None]) -> None:
+        if self._reading.get(group) is reading:
+            del self._reading[group]
+        if not reading.cancelled():
+            reading.exception()  # retrieved, even when every watch waiting for it is gone
 
     async def _run(self) -> None:
         try:
