@@ -520,7 +520,8 @@ class LeaderElection:
                 await self._wait_as_follower()
 
     async def _attempt(self) -> tuple[LeaderInfo, float] | None:
-        """One campaign round: look, and write only if the group looks free or ours."""
+        """One campaign round: after a notification try at once, else look first and write
+        only if the group looks free or ours."""
         self._stats.acquire_attempts += 1
         provider, group, me, options = (
             self._provider,
