@@ -10,8 +10,10 @@ from ._errors import ConfigurationError, LeadershipLost, MultilockError, Provide
 from ._events import EventStream, on_transition, until_leader, while_leader
 from ._memory import InMemoryProvider
 from ._names import validate_metadata, validate_name
+from ._observe import ElectionObserver, Health, add_observer, remove_observer
 from ._options import ElectionOptions
 from ._provider import Provider
+from ._signals import stop_on_signals
 from ._types import (
     ElectionState,
     ElectionStatistics,
@@ -27,11 +29,13 @@ from ._watch import watch_leader
 
 __all__ = [
     "ConfigurationError",
+    "ElectionObserver",
     "ElectionOptions",
     "ElectionState",
     "ElectionStatistics",
     "EventKind",
     "EventStream",
+    "Health",
     "InMemoryProvider",
     "LeaderElection",
     "LeaderInfo",
@@ -43,10 +47,13 @@ __all__ = [
     "ProviderError",
     "RunResult",
     "RunStatus",
+    "add_observer",
     "available_schemes",
     "from_url",
     "on_transition",
     "redact_url",
+    "remove_observer",
+    "stop_on_signals",
     "until_leader",
     "validate_metadata",
     "validate_name",

@@ -26,6 +26,7 @@ import enum
 import logging
 import random
 import secrets
+import weakref
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from types import TracebackType
@@ -36,6 +37,7 @@ import attrs
 from ._calls import call_until, cancel_and_wait, raise_if_cancelled, sleep_until
 from ._errors import ConfigurationError, MultilockError, ProviderError
 from ._events import EventHub, EventStream
+from ._observe import ElectionLog, Health, notify
 from ._options import INSTANCE_KEY, ElectionOptions
 from ._provider import Provider
 from ._types import (
@@ -53,6 +55,9 @@ from ._types import (
 __all__ = ["LeaderElection"]
 
 log = logging.getLogger(__name__)
+
+#: Elections started and not yet stopped, for `stop_on_signals`.
+running: weakref.WeakSet[LeaderElection] = weakref.WeakSet()
 
 T = TypeVar("T")
 S = ElectionState
@@ -115,6 +120,8 @@ class _Campaign:
     round_failed: bool = False
     #: The next round follows a notification (or is the first): it may try at once.
     notified: bool = True
+    #: When this participant first saw the group without a live leader (for failover time).
+    vacant_since: float | None = None
 
     def mine(self, info: LeaderInfo, participant_id: str) -> bool:
         return info.participant_id == participant_id and info.metadata.get(INSTANCE_KEY) == (
@@ -174,6 +181,7 @@ class LeaderElection:
         self._hub = EventHub()
         self._state = ElectionState.IDLE
         self._clock: Callable[[], float] = _no_clock
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._campaign = _Campaign()
         self._leadership: Leadership | None = None  # the current term's one view
         self._term_tasks: set[asyncio.Task[Any]] = set()
@@ -185,6 +193,10 @@ class LeaderElection:
         self._wake = asyncio.Event()  # the store may have changed: look again
         self._interrupt = asyncio.Event()  # the leader loop: renew now, or the term ended
         self._stats = _Stats()
+        self._log = ElectionLog(log, options.group, options.participant_id, self._now)
+
+    def _now(self) -> float:
+        return self._clock()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -238,12 +250,14 @@ class LeaderElection:
         if self._state in (ElectionState.CAMPAIGNING, ElectionState.LEADING):
             return
         loop = asyncio.get_running_loop()
-        self._clock = loop.time
+        self._loop, self._clock = loop, loop.time
         self._campaign = _Campaign()
         self._wake, self._interrupt = asyncio.Event(), asyncio.Event()
         self._step(_Event.START)
+        running.add(self)
         options = self._options
-        log.info(
+        self._log.log(
+            logging.INFO,
             "election %s/%s starting: lease %.3g s, renew every %.3g s, retry every "
             "%.3g s; worst-case failover after a crash %.3g s plus the store's detection",
             options.group,
@@ -257,6 +271,7 @@ class LeaderElection:
             self._watch_loop(), name=f"multilock-watch-{options.group}"
         )
         self._run_task = loop.create_task(self._run(), name=f"multilock-{options.group}")
+        notify(lambda o: o.started, self)
 
     async def stop(self) -> None:
         """Cancel leader work, release leadership (if ``release_on_stop``), end the streams.
@@ -293,7 +308,10 @@ class LeaderElection:
         finally:
             self._run_task = self._watch_task = self._shutdown_task = None
             self._step(_Event.STOPPED)
+            running.discard(self)
             self._hub.end_all()
+            self._log.log(logging.INFO, "election %s/%s stopped", self.group, self.participant_id)
+            notify(lambda o: o.stopped, self)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -347,7 +365,10 @@ class LeaderElection:
             if not task.cancelled() and task.exception() is not None:
                 exc = task.exception()
                 assert exc is not None
-                log.error("leader work of %s raised; resigning", self.group, exc_info=exc)
+                self._log.log(
+                    logging.ERROR, "leader work of %s raised; resigning", self.group,
+                    exc_info=exc, token=leadership.token,
+                )  # fmt: skip
                 await self.resign()
                 raise exc
             await leadership.wait_lost()
@@ -415,6 +436,31 @@ class LeaderElection:
             time_as_leader=stats.leader_time + current,
         )
 
+    def health(self) -> Health:
+        """Healthy while following, or while leading with renewals on time (no I/O).
+
+        Unhealthy when not running, or when leading and no acquire or renew has succeeded
+        for two renew intervals: the term then ends at its deadline unless one gets through.
+        """
+        state, term = self._state, self._term
+        if state not in (ElectionState.CAMPAIGNING, ElectionState.LEADING):
+            detail = f"the election is {state.value}"
+            return Health(healthy=False, state=state, is_leader=False, detail=detail)
+        if term is None or not term.is_valid:
+            observed = self._campaign.observed
+            who = observed[0] if isinstance(observed, tuple) else "nobody known"
+            detail = f"following; the leader is {who}"
+            return Health(healthy=True, state=state, is_leader=False, detail=detail)
+        now, renew_interval = self._clock(), self._options.renew_interval
+        since = now - term.sent
+        on_time = since <= 2 * renew_interval
+        detail = (
+            f"leading with token {term.info.token}; the last successful renew was sent "
+            f"{since:.3g} s ago (renew interval {renew_interval:.3g} s), the term's deadline "
+            f"is in {term.deadline - now:.3g} s"
+        )
+        return Health(healthy=on_time, state=state, is_leader=True, detail=detail)
+
     # ------------------------------------------------------------------ the state machine
     def _step(self, event: _Event) -> None:
         """Apply *event*: the only place the state changes."""
@@ -433,7 +479,7 @@ class LeaderElection:
             self._campaign.in_doubt = True
             return
         if self._clock() >= deadline:
-            log.warning("acquire of %s answered too late to lead on", self.group)
+            self._log.log(logging.WARNING, "acquire of %s answered too late to lead on", self.group)
             return
         term = _Term(
             info=_public(info) or info,
@@ -449,9 +495,19 @@ class LeaderElection:
         self._interrupt.clear()
         self._schedule_deadline(term)
         self._step(_Event.WON)
-        log.info("%s/%s is leader with token %d", self.group, self.participant_id, info.token)
+        vacant_since, self._campaign.vacant_since = self._campaign.vacant_since, None
+        failover = None if vacant_since is None else term.started - vacant_since
+        self._log.log(
+            logging.INFO,
+            "%s/%s is leader with token %d",
+            self.group,
+            self.participant_id,
+            info.token,
+            token=info.token,
+        )
         self._emit(EventKind.ACQUIRED, token=info.token, leader=info)
         self._observe(info)
+        notify(lambda o: o.acquired, self, self._leadership, failover)
 
     def _extend(self, term: _Term, sent: float) -> None:
         """A renew sent at *sent* succeeded: the only place a deadline moves."""
@@ -493,15 +549,18 @@ class LeaderElection:
             self._notify_change()
         self._interrupt.set()
         level = logging.INFO if reason in ("resigned", "stopping") else logging.WARNING
-        log.log(
+        token = term.info.token
+        self._log.log(
             level,
             "%s/%s stepped down (token %d): %s",
             self.group,
             self.participant_id,
-            term.info.token,
+            token,
             reason,
+            token=token,
         )
-        self._emit(EventKind.LOST, token=term.info.token)
+        self._emit(EventKind.LOST, token=token)
+        notify(lambda o: o.lost, self, token, reason)
 
     # ------------------------------------------------------------------ the campaign
     async def _run(self) -> None:
@@ -523,42 +582,61 @@ class LeaderElection:
         """One campaign round: after a notification try at once, else look first and write
         only if the group looks free or ours."""
         self._stats.acquire_attempts += 1
-        provider, group, me, options = (
-            self._provider,
-            self.group,
-            self.participant_id,
-            self._options,
-        )
-        campaign = self._campaign
-        metadata = {**options.metadata, INSTANCE_KEY: campaign.nonce}
+        campaign, group = self._campaign, self.group
+        metadata = {**self._options.metadata, INSTANCE_KEY: campaign.nonce}
         bound = self._clock() + self._usable_lease
         campaign.round_failed = False
         try:
             if campaign.notified and not campaign.in_doubt and not self._holding_off():
                 # No term of ours can be on the store, and a held group answers None and
                 # keeps its lease: try at once, saving a read on every handoff.
-                return await self._acquire(metadata, bound)
-            leader = await call_until(provider.get_leader(group), bound)
-            if leader is not None:
-                if campaign.mine(leader, me) and leader.token != campaign.lost_token:
-                    # Our acquire whose reply was lost: take the term up with a renew.
-                    sent = self._clock()
-                    renew = provider.renew(
-                        group, me, leader.token, options.lease_duration, metadata
-                    )
-                    if await call_until(renew, bound):
-                        campaign.in_doubt = False
-                        return leader, sent
-                self._observe(leader)
-                return None
-            if self._holding_off():
-                return None
-            return await self._acquire(metadata, bound)
+                self._log.log(logging.DEBUG, "%s: notified or starting, acquiring at once", group)
+                won = await self._acquire(metadata, bound)
+            else:
+                won = await self._look_then_acquire(metadata, bound)
         except Exception as exc:
             self._stats.acquire_failures += 1
             campaign.round_failed = True
-            log.warning("campaign round for %s failed: %r", group, exc)
+            self._log.failed("campaign round", exc)
+            notify(lambda o: o.campaign_failed, self, exc)
             return None
+        self._log.succeeded()
+        return won
+
+    async def _look_then_acquire(
+        self, metadata: dict[str, str], bound: float
+    ) -> tuple[LeaderInfo, float] | None:
+        provider, group, me, campaign = (
+            self._provider,
+            self.group,
+            self.participant_id,
+            self._campaign,
+        )
+        leader = await call_until(provider.get_leader(group), bound)
+        if leader is not None:
+            if campaign.mine(leader, me) and leader.token != campaign.lost_token:
+                # Our acquire whose reply was lost: take the term up with a renew.
+                self._log.log(logging.DEBUG, "%s: resuming our own term %d", group, leader.token)
+                sent = self._clock()
+                renew = provider.renew(
+                    group, me, leader.token, self._options.lease_duration, metadata
+                )
+                if await call_until(renew, bound):
+                    campaign.in_doubt = False
+                    return leader, sent
+            self._observe(leader)
+            self._log.log(
+                logging.DEBUG, "%s: held by %s (token %d), following", group,
+                leader.participant_id, leader.token,
+            )  # fmt: skip
+            return None
+        if campaign.vacant_since is None:
+            campaign.vacant_since = self._clock()
+        if self._holding_off():
+            self._log.log(logging.DEBUG, "%s: vacant, but holding off for others", group)
+            return None
+        self._log.log(logging.DEBUG, "%s: vacant, trying to acquire", group)
+        return await self._acquire(metadata, bound)
 
     async def _acquire(
         self, metadata: dict[str, str], bound: float
@@ -573,7 +651,12 @@ class LeaderElection:
         info = await call_until(acquire, bound)
         campaign.in_doubt = False
         if info is None or not campaign.mine(info, self.participant_id):
-            self._observe(await call_until(provider.get_leader(group), bound))
+            holder = await call_until(provider.get_leader(group), bound)
+            self._observe(holder)
+            self._log.log(
+                logging.DEBUG, "%s: acquire refused; held by %s", group,
+                "nobody" if holder is None else holder.participant_id,
+            )  # fmt: skip
             return None
         return info, sent
 
@@ -595,7 +678,10 @@ class LeaderElection:
         await sleep_until(when, self._wake)
         # Woken by the store, the group has likely changed hands: the next round tries to
         # acquire at once. Woken by the timer (the safety net), it only looks first.
-        self._campaign.notified = self._wake.is_set()
+        campaign = self._campaign
+        campaign.notified = self._wake.is_set()
+        if campaign.notified and campaign.vacant_since is None:
+            campaign.vacant_since = self._clock()
         self._wake.clear()
 
     async def _lead(self, term: _Term) -> None:
@@ -610,6 +696,7 @@ class LeaderElection:
             self._interrupt.clear()
             sent = self._clock()
             ok: bool | None = None
+            error: Exception | None = None
             try:
                 renew = self._provider.renew(
                     self.group,
@@ -622,16 +709,27 @@ class LeaderElection:
                 bound = min(term.deadline, sent + options.renew_interval)
                 ok = await call_until(term.renewing, bound)
             except Exception as exc:
-                log.warning("renew of %s token %d failed: %r", self.group, term.info.token, exc)
+                error = exc
             if term.lost.is_set():
                 return
+            token = term.info.token
             if ok is True:
+                latency = self._clock() - sent
                 self._stats.renewals += 1
-                self._stats.last_renew_latency = self._clock() - sent
+                self._stats.last_renew_latency = latency
                 self._extend(term, sent)
+                self._log.succeeded(token)
+                self._log.log(
+                    logging.DEBUG, "%s: renewed token %d in %.3g ms", self.group, token,
+                    latency * 1000, token=token,
+                )  # fmt: skip
+                notify(lambda o: o.renewed, self, latency)
                 next_renew = sent + options.renew_interval
                 continue
             self._stats.renew_failures += 1
+            notify(lambda o: o.renew_failed, self, error)
+            if error is not None:
+                self._log.failed(f"renew of token {token}", error, token)
             if ok is False:
                 self._end_term(term, "the store reports the lease is no longer ours")
                 return
@@ -656,7 +754,7 @@ class LeaderElection:
                     # The first yield only says the watch is on: a leader need not renew.
                     watching = True
             except Exception as exc:
-                log.warning("watch of %s broke, polling until it is back: %r", self.group, exc)
+                self._log.failed("watch (polling until it is back)", exc)
             finally:
                 campaign.watch_alive = False
                 aclose = getattr(stream, "aclose", None)
@@ -698,6 +796,11 @@ class LeaderElection:
         campaign = self._campaign
         if info is not None and not campaign.mine(info, self.participant_id):
             campaign.holdoff_until = 0.0  # someone else leads: the hold-off has done its job
+        if info is None:
+            if campaign.vacant_since is None:
+                campaign.vacant_since = self._clock()
+        elif not campaign.mine(info, self.participant_id):
+            campaign.vacant_since = None
         key = _key(info)
         if key != campaign.observed:
             campaign.observed = key
@@ -733,7 +836,10 @@ class LeaderElection:
         remaining = max(term.deadline - self._clock(), 0.05)
         _, pending = await asyncio.wait(tasks, timeout=remaining)
         if pending:
-            log.warning("%d leader task(s) of %s ignored cancellation", len(pending), self.group)
+            self._log.log(
+                logging.WARNING, "%d leader task(s) of %s ignored cancellation", len(pending),
+                self.group, token=term.info.token,
+            )  # fmt: skip
 
     async def _release(self, token: int, term: _Term | None = None) -> None:
         """Release *token*, once the term's renew in flight (if any) has settled.
@@ -751,7 +857,10 @@ class LeaderElection:
                 self._provider.release(self.group, self.participant_id, token), deadline
             )
         except Exception as exc:  # the lease then simply expires
-            log.warning("release of %s token %d failed: %r", self.group, token, exc)
+            self._log.log(
+                logging.WARNING, "release of %s token %d failed: %r", self.group, token, exc,
+                token=token,
+            )  # fmt: skip
 
     async def _release_if_mine(self) -> None:
         """After an acquire whose outcome is unknown, make sure nothing of ours stays."""
@@ -761,7 +870,9 @@ class LeaderElection:
             if info is not None and self._campaign.mine(info, self.participant_id):
                 await self._release(info.token)
         except Exception as exc:
-            log.warning("could not check %s for an orphaned lease: %r", self.group, exc)
+            self._log.log(
+                logging.WARNING, "could not check %s for an orphaned lease: %r", self.group, exc
+            )
 
 
 def _no_clock() -> float:

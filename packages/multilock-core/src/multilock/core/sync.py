@@ -41,17 +41,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
+import signal
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from ._election import LeaderElection as AsyncLeaderElection
 from ._errors import LeadershipLost, MultilockError
 from ._events import EventStream
+from ._observe import Health
 from ._options import ElectionOptions
 from ._portal import AsyncCall, BlockingPortal, LoopFactory
 from ._provider import Provider
+from ._signals import DEFAULT_SIGNALS
 from ._types import (
     ElectionState,
     ElectionStatistics,
@@ -64,9 +69,14 @@ from ._types import (
 )
 from ._url import from_url
 
-__all__ = ["EventIterator", "LeaderElection"]
+__all__ = ["EventIterator", "LeaderElection", "stop_on_signals"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("multilock.core")
+
+#: Every sync election not yet closed, for `stop_on_signals`.
+_elections: weakref.WeakSet[LeaderElection] = weakref.WeakSet()
 
 
 # ---------------------------------------------------------------------- work in threads
@@ -213,6 +223,7 @@ class LeaderElection:
         except BaseException:
             self._portal.close()
             raise
+        _elections.add(self)
 
     def _call(self, what: str, fn: AsyncCall[T], *args: Any) -> T:
         """Run ``fn(*args)`` on the loop and wait; raise instead of blocking forever."""
@@ -402,10 +413,83 @@ class LeaderElection:
 
     def statistics(self) -> ElectionStatistics:
         """Return a snapshot of the election's counters (safe from any thread)."""
+        return self._local(self._election.statistics)
+
+    def health(self) -> Health:
+        """Healthy while following, or while leading with renewals on time (see
+        `multilock.core.LeaderElection.health`); safe from any thread."""
+        return self._local(self._election.health)
+
+    def _local(self, fn: Callable[[], T]) -> T:
         portal = self._portal
         if self._closed or portal.in_loop_thread or not portal.running:
-            return self._election.statistics()
-        return portal.call(_on_loop(self._election.statistics))
+            return fn()
+        return portal.call(_on_loop(fn))
+
+
+class stop_on_signals:
+    """Make SIGTERM and SIGINT stop every sync election gracefully, then exit.
+
+    ::
+
+        with stop_on_signals(), LeaderElection(url, group="nightly") as election:
+            election.run_while_leader(work)
+
+    On the first of *signals* every running sync election of the process is stopped
+    (leader work told through ``leadership.lost``, leases released), then
+    ``SystemExit(128 + signum)`` is raised in the main thread, wherever it is blocked, so
+    the ``with`` blocks unwind and the program exits with the status a shell reports for
+    that signal. Enter it in the main thread (Python runs signal handlers there only); the
+    handlers there before are put back on exit.
+    """
+
+    def __init__(self, signals: Iterable[signal.Signals] = DEFAULT_SIGNALS) -> None:
+        self._signals = tuple(signal.Signals(s) for s in signals)
+        if not self._signals:
+            raise ValueError("stop_on_signals() needs at least one signal")
+        self._previous: dict[signal.Signals, Any] = {}
+        self._received: signal.Signals | None = None
+
+    @property
+    def received(self) -> signal.Signals | None:
+        """The signal that stopped the program, or None."""
+        return self._received
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                "stop_on_signals() must be entered in the main thread: Python runs signal "
+                "handlers there only"
+            )
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._received is not None:
+            return  # already stopping
+        self._received = sig = signal.Signals(signum)
+        running = [e for e in list(_elections) if not e.closed and e.state in _RUNNING]
+        log.info("%s received: stopping %d election(s)", sig.name, len(running))
+        with concurrent.futures.ThreadPoolExecutor(max(len(running), 1)) as pool:
+            for election, future in [(e, pool.submit(e.stop)) for e in running]:
+                with contextlib.suppress(Exception):
+                    if future.exception() is not None:
+                        log.error("stopping %r raised", election, exc_info=future.exception())
+        raise SystemExit(128 + signum)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+
+_RUNNING = (ElectionState.CAMPAIGNING, ElectionState.LEADING)
 
 
 class EventIterator:
