@@ -19,6 +19,7 @@ from typing import Any
 
 import roundtrip
 import scale
+import sigterm
 from common import (
     AZURE_POLL,
     FILE_POLL,
@@ -386,6 +387,7 @@ HANDOFF_TARGETS: dict[str, tuple[float, float | None]] = {
 def targets(results: dict[str, dict[str, Any]], extra: dict[str, Any]) -> list[str]:
     lines = [*_handoff_targets(results, extra.get("peers") or {})]
     lines += scale.targets(extra.get("scale") or {})
+    lines += sigterm.targets(extra.get("sigterm") or {}, results)
     for name in ("redis", "postgres"):
         g = results.get(name, {}).get("pingpong")
         what = f"Ping-pong p95 within {PINGPONG_SPREAD:g} ms of p50 on {name}"

@@ -9,6 +9,8 @@
                              [--scale-workers 4] [--scale-lease 5] [--scale-window S]
                              [--groups 10000] [--groups-backends redis,postgres]
                              [--groups-lease 15] [--groups-window S]
+                             [--sigterm 20] [--sigterm-lease 2]
+                             [--sigterm-backends redis,postgres,etcd,zookeeper,filesystem]
                              [--plot PNG (default: failover.png beside --out)]
                              [--out benchmarks/REPORT.md]
 
@@ -28,8 +30,9 @@ fewer samples (see `LIMITS`). Three measurements per backend:
    `FaultyProvider`), and for Redis the server's own command counts as a cross-check.
 
 Then, on the same servers and lease: the peers (``peers.py``: tooz and kazoo), the scale
-run (``scale.py``), one process leading many groups (``groups.py``) and the failover
-picture (``plot.py``).
+run (``scale.py``), one process leading many groups (``groups.py``), SIGTERM of a leader
+process with and without ``stop_on_signals`` (``sigterm.py``) and the failover picture
+(``plot.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ import peers  # noqa: E402
 import plot  # noqa: E402
 import roundtrip  # noqa: E402
 import scale  # noqa: E402
+import sigterm  # noqa: E402
 from backends import Backends  # noqa: E402
 from common import (  # noqa: E402
     ALL_BACKENDS,
@@ -404,6 +408,14 @@ def main(argv: list[str] | None = None) -> int:
         if group_names:
             extra["groups"] = run_groups(backends, group_names, args, phase, probes)
             sections += groups.report_section(extra["groups"], args)
+        sigterm_names = [n.strip() for n in args.sigterm_backends.split(",") if n.strip()]
+        if args.sigterm:
+            phase("sigterm")
+            extra["sigterm"] = sigterm.run(
+                backends.urls, sigterm_names, args.sigterm, args.sigterm_lease
+            )
+            trips = {n: r.get("round_trip") for n, r in results.items()}
+            sections += sigterm.report_section(extra["sigterm"], trips)
         if args.plot:
             sections += plot.run(backends.urls, args, phase)
         background.join()
@@ -438,6 +450,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--groups-backends", default="redis,postgres")
     parser.add_argument("--groups-lease", type=float, default=15.0)
     parser.add_argument("--groups-window", type=float, default=None)
+    parser.add_argument("--sigterm", type=int, default=20, help="SIGTERM rounds; 0: skip")
+    parser.add_argument("--sigterm-backends", default="redis,postgres,etcd,zookeeper,filesystem")
+    parser.add_argument("--sigterm-lease", type=float, default=2.0)
     parser.add_argument("--plot", default=None, help="default: failover.png beside --out")
     parser.add_argument("--plot-backend", default="postgres")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "REPORT.md"))

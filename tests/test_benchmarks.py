@@ -4,7 +4,8 @@ Numbers are not judged here (performance targets live in benchmarks/REPORT.md); 
 proves the measurements run: every handoff and ping-pong hand-back happens, every crash
 timeline is safe, every peer (tooz, kazoo) is measured, the scale run reaches a leader and
 fails over on each of its backends, one process leads many groups on Redis and PostgreSQL,
-and the failover picture is drawn.
+a SIGTERM'd leader process hands over with and without `stop_on_signals`, and the failover
+picture is drawn.
 """
 
 import os
@@ -47,6 +48,7 @@ def test_benchmark_runner_measures_everything(tmp_path):
     command += ["--scale", "12", "--scale-workers", "2", "--scale-lease", "1"]
     command += ["--scale-window", "1", "--scale-small", "6"]
     command += ["--groups", "40", "--groups-lease", "1", "--groups-window", "1"]
+    command += ["--sigterm", "2", "--sigterm-backends", "redis", "--sigterm-lease", "1"]
     result = subprocess.run(
         command,
         capture_output=True,
@@ -93,5 +95,13 @@ def test_benchmark_runner_measures_everything(tmp_path):
         float(row[3])  # until all lead
         assert row[11] == "40", f"{backend}: fewest leading {row[11]}"
 
-    assert "![failover timeline](failover.png)" in section(text, 7)
+    stops = section(text, 7)
+    row = cells(stops, "redis", "`stop_on_signals`")
+    assert row[2] == "2", row
+    assert row[6:8] == ["0", "143"], f"SIGTERM with stop_on_signals: failed/exit {row[6:8]}"
+    float(row[3])  # p50
+    row = cells(stops, "redis", "`default SIGTERM`")
+    assert row[6:8] == ["0", "-15"], f"default SIGTERM: failed/exit {row[6:8]}"
+
+    assert "![failover timeline](failover.png)" in section(text, 8)
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
