@@ -30,7 +30,16 @@ LICENSE = (ROOT / "LICENSE").read_bytes()
 PACKAGE_DIRS = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
 CORE = "multilock-core"
 #: Distributions that register no provider: core (built in) and the command line.
-NO_PROVIDER = {CORE, "multilock-cli"}
+#: Integrations with frameworks and metrics systems: they use providers, register none.
+INTEGRATIONS = {
+    "multilock-apscheduler",
+    "multilock-celery",
+    "multilock-django",
+    "multilock-opentelemetry",
+    "multilock-prometheus",
+    "multilock-starlette",
+}
+NO_PROVIDER = {CORE, "multilock-cli", *INTEGRATIONS}
 
 _BUILD = "import sys; from hatchling.build import build_wheel; print(build_wheel(sys.argv[1]))"
 
@@ -280,7 +289,7 @@ def test_provider_entry_points_resolve(package: Package, wheels: dict[str, Built
             assert attr in _top_level_names(source), f"{module} defines no {attr}"
 
 
-PROVIDER_PACKAGES = [p for p in PACKAGES if p.dist != "multilock-cli"]
+PROVIDER_PACKAGES = [p for p in PACKAGES if p.dist == CORE or p.dist not in NO_PROVIDER]
 
 
 @pytest.mark.parametrize("package", PROVIDER_PACKAGES, ids=[p.path.name for p in PROVIDER_PACKAGES])
