@@ -37,6 +37,12 @@ DEV = [
     "tooz[redis,zookeeper]>=9.1",  # benchmark peers (tests/test_benchmarks.py, nox -s bench)
     "psutil>=5.9",  # the benchmark's scale run
     "matplotlib>=3.8",  # the benchmark's failover plot
+    # The integrations' tests and samples: real servers and clients the packages only meet
+    # in a user's program (each integration depends on its framework itself).
+    "httpx>=0.27",
+    "fastapi>=0.110",
+    "uvicorn>=0.29",
+    "opentelemetry-sdk>=1.20",
 ]
 
 #: Azurite's published development key (not a secret: every Azurite accepts it).
