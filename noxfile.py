@@ -43,6 +43,7 @@ DEV = [
     "fastapi>=0.110",
     "uvicorn>=0.29",
     "opentelemetry-sdk>=1.20",
+    "celery[redis]>=5.3",  # the Celery test's worker and broker transport
 ]
 
 #: Azurite's published development key (not a secret: every Azurite accepts it).
