@@ -365,3 +365,22 @@ def test_sync_stop_on_signals_only_in_the_main_thread() -> None:
     thread.join(5)
     assert errors
     assert "main thread" in str(errors[0])
+
+
+def test_sync_health_reads_the_loop_state() -> None:
+    clock = FakeClock(real_grace=0.001)
+    store = InMemoryProvider(clock=clock.monotonic)
+    election = msync.LeaderElection(
+        store, loop_factory=clock.new_event_loop, group="g", lease_duration=LEASE
+    )
+    try:
+        assert election.health().detail == "the election is idle"
+        election.start()
+        election.wait_until_leader(timeout=LEASE)
+        health = election.health()
+        assert (health.healthy, health.is_leader) == (True, True)
+        election.stop()
+        assert not election.health().healthy
+    finally:
+        election.close()
+    assert election.health().detail == "the election is stopped"  # closed: read directly
