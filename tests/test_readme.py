@@ -77,3 +77,22 @@ asyncio.run(main())
 @pytest.mark.parametrize("name", ["sigterm", "logging"])
 def test_marked_blocks_compile(name: str) -> None:
     compile(block(name), f"README.md:{name}", "exec")
+
+
+def _python_blocks() -> list[tuple[str, str]]:
+    root = README.parent
+    readmes = [README, *sorted(root.glob("packages/*/README.md"))]
+    blocks = []
+    for path in readmes:
+        text = path.read_text()
+        # Blocks inside list items are indented with their item.
+        for i, found in enumerate(re.finditer(r"^( *)```python\n(.*?)^\1```", text, re.S | re.M)):
+            code = "\n".join(line[len(found.group(1)) :] for line in found.group(2).splitlines())
+            blocks.append((f"{path.relative_to(root)}:{i}", code))
+    return blocks
+
+
+@pytest.mark.parametrize(("where", "code"), _python_blocks(), ids=lambda v: v if ":" in v else "")
+def test_every_readme_python_block_compiles(where: str, code: str) -> None:
+    """No README shows code that is a SyntaxError as written (``async with`` at module level)."""
+    compile(code, where, "exec")
