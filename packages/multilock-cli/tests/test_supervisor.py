@@ -376,3 +376,60 @@ def test_a_grace_that_a_healthy_term_could_trigger_is_rejected() -> None:
         check_grace(0, options)
     with pytest.raises(ConfigurationError, match="positive"):
         check_grace(-1, options)
+
+
+class FakeGuard:
+    """Records what the supervisor tells the watchdog, with the loop's time."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.calls: list[tuple[str, float | None, int]] = []  # (what, deadline, children)
+
+    def _note(self, what: str, deadline: float | None) -> None:
+        self.calls.append((what, deadline, len(self.lab.children)))
+
+    def arm(self, deadline: float) -> None:
+        self._note("arm", deadline)
+
+    def extend(self, deadline: float) -> None:
+        self._note("extend", deadline)
+
+    def disarm(self) -> None:
+        self._note("disarm", None)
+
+
+def test_the_guard_is_armed_before_the_command_extended_on_each_renew_then_disarmed() -> None:
+    async def body(lab: Lab) -> None:
+        guard = FakeGuard(lab)
+        _supervisor, task = await lab.leading(guard=guard)
+        await asyncio.sleep(LEASE)  # three renewals
+        child = lab.children[0]
+        child.exit(0)
+        assert await task == 0
+        whats = [c[0] for c in guard.calls]
+        assert whats == ["arm", "extend", "extend", "extend", "disarm"], guard.calls
+        assert guard.calls[0][2] == 0  # armed before the command was started
+        deadlines = [c[1] for c in guard.calls[:-1]]
+        assert deadlines == sorted(deadlines)
+        assert deadlines[0] is not None
+        assert deadlines[0] - child.started_at <= LEASE  # the term's own local deadline
+        assert guard.calls[-1][2] == 1
+
+    run(body)
+
+
+def test_a_guard_for_another_election_hears_nothing_of_this_one() -> None:
+    async def body(lab: Lab) -> None:
+        guard = FakeGuard(lab)
+        _, task = await lab.leading(guard=guard)
+        other = LeaderElection(lab.store, group="h", participant_id="b", lease_duration=LEASE)
+        await other.start()  # leads its own group and renews in the same process
+        await asyncio.sleep(LEASE + 0.5)
+        assert other.statistics().renewals == 3
+        renewals = [c for c in guard.calls if c[0] == "extend"]
+        assert len(renewals) == 3  # only supervisor a's own renewals
+        lab.children[0].exit(0)
+        await task
+        await other.stop()
+
+    run(body)

@@ -26,18 +26,23 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from ._common import SIGNAL_BASE, CliError, ExitCode
+from ._watchdog import Watchdog
 
 __all__ = ["ProcessChild", "check_command", "spawn_process"]
 
 _CANNOT = ExitCode.CANNOT_EXECUTE
 
-#: argv: parent pid, LC_CTYPE ("-" unset, "=VALUE" set), then the command.
+#: argv: parent pid, LC_CTYPE ("-" unset, "=VALUE" set), the watchdog's pipe ("-" none),
+#: then the command. The process group is registered with the watchdog before the exec.
 _TRAMPOLINE = """\
 import ctypes, os, signal, sys
-parent, lc_ctype, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+parent, lc_ctype, watchdog, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
 ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 if os.getppid() != parent:
     os.kill(os.getpid(), signal.SIGKILL)
+if watchdog != "-":
+    os.write(int(watchdog), b"group %d\\n" % os.getpgrp())
+    os.close(int(watchdog))
 if lc_ctype == "-":
     os.environ.pop("LC_CTYPE", None)
 else:
@@ -50,13 +55,18 @@ except OSError as exc:
 """
 
 
-def _launcher(argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+def _trampolined() -> bool:
+    return sys.platform.startswith("linux") and bool(sys.executable)
+
+
+def _launcher(argv: Sequence[str], env: Mapping[str, str], watchdog: int | None) -> list[str]:
     """The argv that starts *argv*: through the trampoline on Linux, directly elsewhere."""
-    if not sys.platform.startswith("linux") or not sys.executable:
+    if not _trampolined():
         return list(argv)
     lc_ctype = env.get("LC_CTYPE")
     marker = "-" if lc_ctype is None else "=" + lc_ctype
-    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), marker, *argv]
+    fd = "-" if watchdog is None else str(watchdog)
+    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), marker, fd, *argv]
 
 
 def check_command(argv: Sequence[str]) -> None:
@@ -94,11 +104,22 @@ class ProcessChild:
         return SIGNAL_BASE - code if code < 0 else code
 
 
-async def spawn_process(argv: Sequence[str], env: Mapping[str, str]) -> ProcessChild:
-    """Start *argv* with *env* in a new process group (see the module docstring)."""
+async def spawn_process(
+    argv: Sequence[str], env: Mapping[str, str], watchdog: Watchdog | None = None
+) -> ProcessChild:
+    """Start *argv* with *env* in a new process group (see the module docstring).
+
+    With a *watchdog*, the group is registered with it before the command runs: by the
+    trampoline on Linux, otherwise right after the start.
+    """
+    fd = None if watchdog is None else watchdog.child_fd
+    passed = (fd,) if fd is not None and _trampolined() else ()
     try:
         process = await asyncio.create_subprocess_exec(
-            *_launcher(argv, env), env=dict(env), process_group=0
+            *_launcher(argv, env, fd if passed else None),
+            env=dict(env),
+            process_group=0,
+            pass_fds=passed,
         )
     except FileNotFoundError:
         raise CliError(f"{argv[0]}: command not found", ExitCode.NOT_FOUND) from None
@@ -108,4 +129,6 @@ async def spawn_process(argv: Sequence[str], env: Mapping[str, str]) -> ProcessC
         ) from None
     except OSError as exc:
         raise CliError(f"{argv[0]}: cannot execute: {exc}", ExitCode.CANNOT_EXECUTE) from None
+    if watchdog is not None and not passed:
+        watchdog.watch(process.pid)
     return ProcessChild(process)

@@ -19,6 +19,7 @@ from multilock.core import (
 from ._child import spawn_process
 from ._common import CliError, close_quietly, open_provider, parse_metadata, probe
 from ._supervisor import Supervisor
+from ._watchdog import Watchdog
 
 __all__ = ["election_options", "run_supervised"]
 
@@ -63,29 +64,39 @@ async def run_supervised(
         except ConfigurationError as exc:
             raise CliError(str(exc), url=url) from None
         await probe(provider, options.group, url, probe_timeout)
-        supervisor = Supervisor(
-            election, lambda env: spawn_process(command, env), grace=grace, forever=forever
-        )
-        loop = asyncio.get_running_loop()
-
-        def hangup() -> None:  # passed on to a running command; otherwise it stops multilock
-            if not supervisor.forward(signal.SIGHUP):
-                supervisor.request_stop(signal.SIGHUP)
-
-        handlers: dict[int, Callable[[], object]] = {
-            signal.SIGINT: lambda: supervisor.request_stop(signal.SIGINT),
-            signal.SIGTERM: lambda: supervisor.request_stop(signal.SIGTERM),
-            signal.SIGHUP: hangup,
-            signal.SIGUSR1: lambda: supervisor.forward(signal.SIGUSR1),
-            signal.SIGUSR2: lambda: supervisor.forward(signal.SIGUSR2),
-        }
-        for signum, handler in handlers.items():
-            loop.add_signal_handler(signum, handler)
-        try:
-            log.info("campaigning for %s as %s", options.group, options.participant_id)
-            return await supervisor.run()
-        finally:
-            for signum in handlers:
-                loop.remove_signal_handler(signum)
+        async with Watchdog() as watchdog:
+            supervisor = Supervisor(
+                election,
+                lambda env: spawn_process(command, env, watchdog),
+                grace=grace,
+                forever=forever,
+                guard=watchdog,
+            )
+            return await _supervise(supervisor, options.group, options.participant_id)
     finally:
         await close_quietly(provider)
+
+
+async def _supervise(supervisor: Supervisor, group: str, participant_id: str) -> int:
+    """Run *supervisor* with this process's signals routed to it."""
+    loop = asyncio.get_running_loop()
+
+    def hangup() -> None:  # passed on to a running command; otherwise it stops multilock
+        if not supervisor.forward(signal.SIGHUP):
+            supervisor.request_stop(signal.SIGHUP)
+
+    handlers: dict[int, Callable[[], object]] = {
+        signal.SIGINT: lambda: supervisor.request_stop(signal.SIGINT),
+        signal.SIGTERM: lambda: supervisor.request_stop(signal.SIGTERM),
+        signal.SIGHUP: hangup,
+        signal.SIGUSR1: lambda: supervisor.forward(signal.SIGUSR1),
+        signal.SIGUSR2: lambda: supervisor.forward(signal.SIGUSR2),
+    }
+    for signum, handler in handlers.items():
+        loop.add_signal_handler(signum, handler)
+    try:
+        log.info("campaigning for %s as %s", group, participant_id)
+        return await supervisor.run()
+    finally:
+        for signum in handlers:
+            loop.remove_signal_handler(signum)

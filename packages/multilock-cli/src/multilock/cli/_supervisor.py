@@ -17,8 +17,10 @@ margin``. The supervisor therefore:
 
 So the command is dead before the lease can pass to another process, with the step-down
 margin (``min(0.25 s, 2% of the lease)`` plus the drift allowance) to spare for signal
-delivery. What this cannot cover: a supervisor that is itself frozen (SIGSTOP, a VM
-pause) cannot kill anything; that is what fencing tokens (``MULTILOCK_TOKEN``) are for.
+delivery. A supervisor that is itself frozen (SIGSTOP, a stall) cannot kill anything: the
+*guard* (``multilock run``'s watchdog process, see ``_watchdog``) holds the deadline too,
+armed before the command starts and extended after each successful renew, and kills the
+command's group when it passes without an extension.
 """
 
 from __future__ import annotations
@@ -33,12 +35,20 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from multilock.core import ConfigurationError, ElectionOptions, LeaderElection, Leadership
+from multilock.core import (
+    ConfigurationError,
+    ElectionObserver,
+    ElectionOptions,
+    LeaderElection,
+    Leadership,
+    add_observer,
+    remove_observer,
+)
 from multilock.core import RunStatus as _RunStatus
 
 from ._common import SIGNAL_BASE, ExitCode
 
-__all__ = ["Child", "Spawn", "Supervisor", "check_grace", "default_grace"]
+__all__ = ["Child", "Guard", "Spawn", "Supervisor", "check_grace", "default_grace"]
 
 log = logging.getLogger("multilock.cli")
 
@@ -58,6 +68,31 @@ class Child(Protocol):
 
 #: Start the command with this environment; raise `CliError` if it cannot be run.
 Spawn = Callable[[Mapping[str, str]], Awaitable[Child]]
+
+
+class Guard(Protocol):
+    """Kills the command at the term's deadline on its own, however the supervisor fares."""
+
+    def arm(self, deadline: float) -> None:
+        """A term with *deadline* (monotonic seconds) begins; its command is about to start."""
+
+    def extend(self, deadline: float) -> None:
+        """A renew succeeded: the term now ends at *deadline*."""
+
+    def disarm(self) -> None:
+        """The term's command and its process group are gone."""
+
+
+class _Renewals(ElectionObserver):
+    """Passes each successful renew of one election on to the guard, as it happens."""
+
+    def __init__(self, election: LeaderElection, guard: Guard) -> None:
+        self._election, self._guard = election, guard
+
+    def renewed(self, election: LeaderElection, latency: float) -> None:
+        leadership = election.leadership if election is self._election else None
+        if leadership is not None:
+            self._guard.extend(leadership.deadline)
 
 
 def _healthy_low(options: ElectionOptions) -> float:
@@ -115,9 +150,11 @@ class Supervisor:
         *,
         grace: float,
         forever: bool = False,
+        guard: Guard | None = None,
     ) -> None:
         self._election = election
         self._spawn = spawn
+        self._guard = guard
         self._grace = check_grace(grace, election.options)
         self._forever = forever
         self._stopping = asyncio.Event()
@@ -147,6 +184,9 @@ class Supervisor:
     async def run(self) -> int:
         """Campaign, run, supervise; release when done. Return the exit code."""
         election = self._election
+        renewals = None if self._guard is None else _Renewals(election, self._guard)
+        if renewals is not None:
+            add_observer(renewals)
         await election.start()
         try:
             while True:
@@ -171,6 +211,8 @@ class Supervisor:
                 await election.resign()
         finally:
             await election.stop()
+            if renewals is not None:
+                remove_observer(renewals)
 
     async def _wait_for_term(self) -> Leadership | None:
         """The next term, or None when asked to stop first."""
@@ -200,7 +242,15 @@ class Supervisor:
         """Run the command for this term; the election cancels this task when the term ends."""
         if self._stopping.is_set():
             return _Outcome("stopped", self._stopped_status())
-        child = await self._spawn(self._environment(leadership))
+        guard = self._guard
+        if guard is not None:
+            guard.arm(leadership.deadline)  # before the command can run
+        try:
+            child = await self._spawn(self._environment(leadership))
+        except BaseException:
+            if guard is not None:
+                guard.disarm()
+            raise
         self._child = child
         log.info("leading with token %d: started the command (pid %d)", leadership.token, child.pid)
         try:
@@ -217,6 +267,8 @@ class Supervisor:
         finally:
             child.send(signal.SIGKILL)  # whatever the command left in its process group
             self._child = None
+            if guard is not None:
+                guard.disarm()
 
     async def _supervise(self, child: Child, leadership: Leadership) -> _Outcome:
         loop = asyncio.get_running_loop()
