@@ -12,16 +12,18 @@ from multilock.core import (
     ConfigurationError,
     ElectionOptions,
     LeaderElection,
+    MultilockError,
+    Provider,
     validate_metadata,
     validate_name,
 )
 
-from ._child import spawn_process
+from ._child import check_command, spawn_process
 from ._common import CliError, close_quietly, open_provider, parse_metadata, probe
-from ._supervisor import Supervisor
+from ._supervisor import Supervisor, default_grace
 from ._watchdog import Watchdog
 
-__all__ = ["election_options", "run_supervised"]
+__all__ = ["election_options", "run_command", "run_supervised"]
 
 log = logging.getLogger("multilock.cli")
 
@@ -75,6 +77,55 @@ async def run_supervised(
             return await _supervise(supervisor, options.group, options.participant_id)
     finally:
         await close_quietly(provider)
+
+
+async def run_command(
+    provider: Provider,
+    argv: Sequence[str],
+    *,
+    grace: float | None = None,
+    forever: bool = False,
+    **election_options: Any,
+) -> int:
+    """Run *argv* as a subprocess only while leading, as ``multilock run`` does, from Python.
+
+    For leader work that must never overlap the next leader's, even when this process
+    cannot be scheduled (a blocked event loop, a stall, SIGSTOP): the command runs in its
+    own process group, and a watchdog process kills that group at the term's deadline
+    unless a renew extended it. Campaign with *election_options* (``group=...``,
+    ``lease_duration=...``), wait for a term, run the command with ``MULTILOCK_TOKEN``,
+    ``MULTILOCK_GROUP`` and ``MULTILOCK_PARTICIPANT_ID`` in its environment, release when
+    it exits, and return its exit status (128 + N for a signal N). With *forever*, run it
+    again in each new term until cancelled. *grace* (default a fifth of the lease) is the
+    time between SIGTERM and SIGKILL when renewals fail. The provider stays open.
+    """
+    if not isinstance(provider, Provider):
+        raise ConfigurationError(
+            f"provider must be a multilock Provider, not {type(provider).__name__}"
+        )
+    if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
+        raise ConfigurationError(
+            "argv must be a non-empty sequence of strings, like ['job', '--flag']"
+        )
+    try:
+        check_command(argv)
+    except CliError as exc:
+        raise ConfigurationError(exc.message) from None
+    election = LeaderElection(provider, **election_options)
+    if grace is None:
+        grace = default_grace(election.options)
+    async with Watchdog() as watchdog:
+        supervisor = Supervisor(
+            election,
+            lambda env: spawn_process(argv, env, watchdog),
+            grace=grace,
+            forever=forever,
+            guard=watchdog,
+        )
+        try:
+            return await supervisor.run()
+        except CliError as exc:  # the command could not be started
+            raise MultilockError(exc.message) from None
 
 
 async def _supervise(supervisor: Supervisor, group: str, participant_id: str) -> int:
