@@ -4,8 +4,9 @@ The supervisor kills its command before the lease can pass on, but only while it
 scheduled: a supervisor stopped by SIGSTOP, a debugger, a long GC or swap stall or a
 CPU-starved container cannot kill anything, and the command would run on beside the next
 leader's. So ``multilock run`` starts, before any command, a second tiny process, the
-watchdog (``python -I -S -c ...``, about 10 MB and no CPU while it waits), in a process
-group of its own so that signals meant for the supervisor or the command do not reach it.
+watchdog (``python -I -S -c ...``: 10 MB resident, 4 MB of it its own, and no CPU while
+it waits), in a process group of its own so that signals meant for the supervisor or the
+command do not reach it.
 
 It reads lines from a pipe and holds one deadline (``time.monotonic()``, one clock for
 every process of the machine) and the command's process groups:
