@@ -3,8 +3,9 @@
 Sessions:
 - ci: everything CI checks: server install, ruff, mypy --strict, unit, packaging, sample,
   integration (real servers) and fault-injection tests.
-- lint, typecheck, tests (no servers), integration, faults (the long fault campaign), demo,
-  bench, compose (against docker-compose.yml), simulate (the deterministic simulator, long).
+- lint, typecheck, tests (no servers), integration, faults (the long fault campaign),
+  freezes (``multilock run`` with frozen supervisors, long), demo, bench, compose (against
+  docker-compose.yml), simulate (the deterministic simulator, long).
 """
 
 from __future__ import annotations
@@ -117,6 +118,29 @@ def faults(session: nox.Session) -> None:
         "MULTILOCK_CAMPAIGN_OUT": str(ROOT / "faults-report.json"),
     }
     session.run("pytest", "integration/test_campaign.py", "-p", "no:cacheprovider",
+                *session.posargs, env=env)  # fmt: skip
+
+
+@nox.session
+def freezes(session: nox.Session) -> None:
+    """``multilock run`` with frozen supervisors, long mode: 100 supervisor freezes per backend.
+
+    The leading supervisor is SIGSTOPped past its lease 100 times per backend (plus a tenth
+    as many command freezes, supervisor-and-command freezes and supervisor kills) on
+    filesystem, redis, postgres, etcd and zookeeper, all backends at once; the commands'
+    tick logs must never overlap. ``MULTILOCK_FREEZES``, ``MULTILOCK_FREEZES_SEED`` and
+    ``MULTILOCK_FREEZES_BACKENDS`` (comma-separated) may be set to change the count, the
+    sequence and the backends; the summary is written to ``freezes-report.json`` and, as a
+    Markdown table, ``freezes-report.md``.
+    """
+    _servers(session)
+    _install_all(session)
+    env = {
+        "MULTILOCK_FREEZES": os.environ.get("MULTILOCK_FREEZES", "100"),
+        "MULTILOCK_FREEZES_SEED": os.environ.get("MULTILOCK_FREEZES_SEED", "1"),
+        "MULTILOCK_FREEZES_OUT": str(ROOT / "freezes-report.json"),
+    }
+    session.run("pytest", "integration/test_freezes.py", "-p", "no:cacheprovider",
                 *session.posargs, env=env)  # fmt: skip
 
 
