@@ -48,4 +48,4 @@ def test_the_readme_provider_elects_and_declares_its_bounds() -> None:
 
     asyncio.run(main())
     with pytest.raises(ConfigurationError, match="the toy store's clock is coarse"):
-        LeaderElection(provider, lease_duration=0.01)
+        LeaderElection(provider, lease_duration=0.15)

@@ -7,7 +7,6 @@ credentials redacted, and the exit code 2.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import enum
 import logging
@@ -19,7 +18,15 @@ from typing import Any
 
 import click
 
-from multilock.core import ConfigurationError, LeaderInfo, Provider, from_url, redact_url
+from multilock.core import (
+    ConfigurationError,
+    LeaderInfo,
+    Provider,
+    ProviderError,
+    from_url,
+    redact_url,
+)
+from multilock.core import probe as core_probe
 from multilock.core.provider import scrub  # the same scrubbing core applies to driver errors
 
 __all__ = [
@@ -105,20 +112,20 @@ def error_text(exc: BaseException, url: str) -> str:
 
 
 async def probe(provider: Provider, group: str, url: str, seconds: float) -> LeaderInfo | None:
-    """Ask the store for the group's leader once, within *seconds*: proves it is reachable."""
+    """Ask the store for the group's leader once, within *seconds*: proves it is reachable.
+
+    `multilock.core.probe` says what failed (unknown host, refused, credentials, TLS, no
+    answer); this adds the redacted URL where the message does not show it already.
+    """
     try:
-        async with asyncio.timeout(seconds):
-            return await provider.get_leader(group)
-    except TimeoutError:
-        raise CliError(
-            f"the store at {redact_url(url)} did not answer within {seconds:g} s", url=url
-        ) from None
+        return await core_probe(provider, group, timeout=seconds)
     except ConfigurationError as exc:
         raise CliError(error_text(exc, url), url=url) from None
-    except Exception as exc:
-        raise CliError(
-            f"cannot reach the store at {redact_url(url)}: {error_text(exc, url)}", url=url
-        ) from None
+    except ProviderError as exc:
+        message, shown = scrub(str(exc), url), redact_url(url)
+        if shown not in message:
+            message = message.replace("the store", f"the store at {shown}", 1)
+        raise CliError(message, url=url) from None
 
 
 async def close_quietly(provider: Provider) -> None:

@@ -2,16 +2,19 @@
 
 Many copies of a service run at once; for each named group, exactly one leads. See
 `LeaderElection` to campaign, `watch_leader` to observe, `from_url` to build a provider,
-and `multilock.core.sync` for threaded programs.
+`probe` to check a store before relying on it, and `multilock.core.sync` for threaded
+programs.
 """
 
 from ._election import LeaderElection
 from ._errors import ConfigurationError, LeadershipLost, MultilockError, ProviderError
 from ._events import EventStream, on_transition, until_leader, while_leader
+from ._failures import FailureReason
 from ._memory import InMemoryProvider
 from ._names import validate_metadata, validate_name
 from ._observe import ElectionObserver, Health, add_observer, remove_observer
-from ._options import ElectionOptions
+from ._options import MIN_LEASE_DURATION, ElectionFields, ElectionOptions
+from ._probe import probe
 from ._provider import Provider
 from ._signals import stop_on_signals
 from ._types import (
@@ -28,13 +31,16 @@ from ._url import available_schemes, from_url, redact_url
 from ._watch import watch_leader
 
 __all__ = [
+    "MIN_LEASE_DURATION",
     "ConfigurationError",
+    "ElectionFields",
     "ElectionObserver",
     "ElectionOptions",
     "ElectionState",
     "ElectionStatistics",
     "EventKind",
     "EventStream",
+    "FailureReason",
     "Health",
     "InMemoryProvider",
     "LeaderElection",
@@ -51,6 +57,7 @@ __all__ = [
     "available_schemes",
     "from_url",
     "on_transition",
+    "probe",
     "redact_url",
     "remove_observer",
     "stop_on_signals",

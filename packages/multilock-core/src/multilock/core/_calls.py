@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["call_until", "cancel_and_wait", "raise_if_cancelled", "sleep_until"]
+__all__ = [
+    "call_until",
+    "cancel_and_wait",
+    "describe_callable",
+    "is_async_callable",
+    "raise_if_cancelled",
+    "sleep_until",
+]
 
 log = logging.getLogger("multilock.core._election")
 
@@ -19,7 +28,8 @@ _SETTLING: set[asyncio.Task[Any]] = set()
 
 
 async def call_until(call: Coroutine[Any, Any, T] | asyncio.Future[T], deadline: float) -> T:
-    """Await a provider *call* until *deadline* (loop time), else raise `TimeoutError`.
+    """Await a provider *call* until *deadline* (loop time), else raise `TimeoutError`
+    naming the call and the seconds it was given.
 
     A call that times out (or whose caller is cancelled) is cancelled but not waited for:
     a driver may take seconds to settle a cancellation (psycopg cancels the query on the
@@ -27,14 +37,22 @@ async def call_until(call: Coroutine[Any, Any, T] | asyncio.Future[T], deadline:
     campaign again or stop meanwhile. The call settles in the background.
     """
     task = asyncio.ensure_future(call)
+    window = asyncio.timeout_at(deadline)
+    seconds = deadline - asyncio.get_running_loop().time()
     try:
-        async with asyncio.timeout_at(deadline):
+        async with window:
             return await asyncio.shield(task)
+    except TimeoutError:
+        if not window.expired():
+            raise  # the call's own TimeoutError
+        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+        name = getattr(coro, "__qualname__", "the provider call")
     finally:
         if not task.done():
             task.cancel()
             _SETTLING.add(task)
             task.add_done_callback(_settled)
+    raise TimeoutError(f"{name} did not finish within {max(seconds, 0):.3g} s")
 
 
 def _settled(task: asyncio.Task[Any]) -> None:
@@ -72,3 +90,20 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
         task.cancel()
     if live:
         await asyncio.wait(live)
+
+
+def is_async_callable(fn: object) -> bool:
+    """True for an ``async def`` function or method, a `functools.partial` of one, or an
+    object whose ``__call__`` is ``async def``: what ``await fn(...)`` can be built from."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(type(fn), "__call__", None)  # noqa: B004 (the type's, not the object's)
+    return not inspect.isroutine(fn) and inspect.iscoroutinefunction(call)
+
+
+def describe_callable(fn: object) -> str:
+    """*fn*'s name for an error message (``report_loop``, ``functools.partial(...)``)."""
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else repr(fn)

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, NoReturn, TypeVar
 
 from ._errors import ProviderError
+from ._failures import classify
 from ._url import secrets_of
 
 __all__ = ["DriverCalls"]
@@ -72,14 +73,28 @@ class DriverCalls:
             detail = f"no answer within {self.timeout:g} s"
         else:
             detail = self.scrub(str(exc).strip()) or type(exc).__name__
-        error = ProviderError(f"{self.store} {op} failed on {self.where}: {detail}")
-        if not self._holds_secret(exc):
+        message = f"{self.store} {op} failed on {self.where}: {detail}"
+        if self._holds_secret(exc):  # not chained: classify it now, while it is at hand
+            error = ProviderError(message, reason=classify(exc))
+        else:
+            error = ProviderError(message)
             error.__cause__ = exc
         error.__suppress_context__ = True
         return error
 
     def fail(self, op: str, exc: BaseException) -> NoReturn:
-        """Raise `error` for *exc*."""
+        """Raise `error` for *exc*.
+
+        Call it after the ``except`` block, not inside it: an exception raised while
+        another is handled keeps that one as its ``__context__``, so a driver error that
+        holds a secret would travel on (suppressed, but reachable)::
+
+            try:
+                ...
+            except DriverError as exc:
+                failure = exc
+            calls.fail("renew", failure)
+        """
         raise self.error(op, exc)
 
     def _holds_secret(self, exc: BaseException | None) -> bool:
@@ -106,7 +121,8 @@ class DriverCalls:
         except ProviderError:
             raise
         except self.failures as exc:
-            self.fail(op, exc)
+            error = self.error(op, exc)
+        raise error  # outside the handler: see `fail`
 
     async def blocking(self, op: str, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking *fn* in a worker thread, bounded by the timeout.
@@ -129,4 +145,5 @@ class DriverCalls:
         except ProviderError:
             raise
         except self.failures as exc:
-            self.fail(op, exc)
+            error = self.error(op, exc)
+        raise error  # outside the handler: see `fail`

@@ -30,15 +30,24 @@ import weakref
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, Unpack
 
 import attrs
 
-from ._calls import call_until, cancel_and_wait, raise_if_cancelled, sleep_until
+from ._calls import (
+    call_until,
+    cancel_and_wait,
+    describe_callable,
+    is_async_callable,
+    raise_if_cancelled,
+    sleep_until,
+)
 from ._errors import ConfigurationError, MultilockError, ProviderError
 from ._events import EventHub, EventStream
 from ._observe import ElectionLog, Health, notify
-from ._options import INSTANCE_KEY, ElectionOptions
+from ._options import INSTANCE_KEY, ElectionFields, ElectionOptions
+from ._options import public_info as _public
+from ._probe import probe
 from ._provider import Provider
 from ._types import (
     ElectionState,
@@ -83,18 +92,11 @@ _TRANSITIONS: dict[tuple[ElectionState, _Event], ElectionState] = {
 }
 
 _UNKNOWN = object()
+_RUNNING = (ElectionState.CAMPAIGNING, ElectionState.LEADING)
 
 
 def _key(info: LeaderInfo | None) -> tuple[str, int] | None:
     return None if info is None else (info.participant_id, info.token)
-
-
-def _public(info: LeaderInfo | None) -> LeaderInfo | None:
-    """*info* without the election's private instance nonce."""
-    if info is None or INSTANCE_KEY not in info.metadata:
-        return info
-    metadata = {k: v for k, v in info.metadata.items() if k != INSTANCE_KEY}
-    return attrs.evolve(info, metadata=metadata)
 
 
 def _jitter(seconds: float) -> float:
@@ -118,6 +120,8 @@ class _Campaign:
     watch_alive: bool = False
     #: The last campaign round raised: no notification will say the store is back.
     round_failed: bool = False
+    #: What it raised, for the message of a timed-out `wait_until_leader`.
+    last_failure: Exception | None = None
     #: The next round follows a notification (or is the first): it may try at once.
     notified: bool = True
     #: When this participant first saw the group without a live leader (for failover time).
@@ -143,7 +147,8 @@ class _Stats:
 class LeaderElection:
     """Campaign for leadership of one group through one provider.
 
-    Pass an `ElectionOptions` or its fields as keywords, not both::
+    Pass an `ElectionOptions` or its fields as keywords (typed by `ElectionFields`, so a
+    type checker catches a misspelt name), not both::
 
         async with LeaderElection(provider, group="nightly-report") as election:
             await election.run_while_leader(report_loop)
@@ -155,7 +160,7 @@ class LeaderElection:
         self,
         provider: Provider,
         options: ElectionOptions | None = None,
-        **option_fields: Any,
+        **option_fields: Unpack[ElectionFields],
     ) -> None:
         if not isinstance(provider, Provider):
             raise ConfigurationError(
@@ -167,7 +172,7 @@ class LeaderElection:
                 f"(got options and {', '.join(sorted(option_fields))})"
             )
         if options is None:
-            options = ElectionOptions.from_fields(option_fields)
+            options = ElectionOptions.from_fields(dict(option_fields))
         elif not isinstance(options, ElectionOptions):
             raise ConfigurationError(
                 f"options must be an ElectionOptions, not {type(options).__name__}"
@@ -244,10 +249,18 @@ class LeaderElection:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Begin campaigning in a background task. Idempotent; works again after stop()."""
+        """Begin campaigning in a background task. Idempotent; works again after stop().
+
+        With the ``probe_timeout`` option, first ask the store for the leader once, within
+        that time, and raise its `ProviderError` (see `multilock.core.probe`) if it fails:
+        a wrong host, port or password is reported here rather than retried for ever.
+        """
+        probe_timeout = self._options.probe_timeout
+        if probe_timeout is not None and self._state not in _RUNNING:
+            await probe(self._provider, self.group, timeout=probe_timeout)
         while self._shutdown_task is not None:  # a stop() in progress (maybe cancelled)
             await asyncio.shield(self._shutdown_task)
-        if self._state in (ElectionState.CAMPAIGNING, ElectionState.LEADING):
+        if self._state in _RUNNING:
             return
         loop = asyncio.get_running_loop()
         self._loop, self._clock = loop, loop.time
@@ -341,9 +354,26 @@ class LeaderElection:
                     self._require_running("wait_until_leader")
                     await self._changed.wait()
         except TimeoutError:
-            raise TimeoutError(
-                f"{self.group}/{self.participant_id} did not become leader within {timeout:g} s"
-            ) from None
+            if timeout is None:
+                raise  # not this wait's: it has no timeout
+            error = TimeoutError(
+                f"wait_until_leader: {self.group}/{self.participant_id} did not become "
+                f"leader within {timeout:g} s ({self._waiting_for()})"
+            )
+        raise error
+
+    def _waiting_for(self) -> str:
+        """What a waiter for leadership is waiting on, for its timeout message."""
+        campaign = self._campaign
+        failure = campaign.last_failure
+        if campaign.round_failed and failure is not None:
+            return f"its last campaign round failed: {str(failure) or type(failure).__name__}"
+        observed = campaign.observed
+        if isinstance(observed, tuple):
+            return f"{observed[0]} leads with token {observed[1]}"
+        if observed is None:
+            return "nobody leads, but this participant has not won the group yet"
+        return "the leader is not known yet"
 
     async def run_while_leader(
         self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any
@@ -354,6 +384,7 @@ class LeaderElection:
         term. If *fn* returns, this waits for the term to end. If *fn* raises, leadership
         is resigned and the exception propagates.
         """
+        _require_async(fn, "run_while_leader")
         self._require_running("run_while_leader")
         while True:
             try:
@@ -381,6 +412,7 @@ class LeaderElection:
         Returns a `RunResult`: NOT_LEADER (fn never ran), COMPLETED (with fn's value) or
         LOST (fn was cancelled because the term ended). Exceptions of *fn* propagate.
         """
+        _require_async(fn, "run_if_leader")
         leadership = self.leadership
         if leadership is None:
             return RunResult(status=RunStatus.NOT_LEADER)
@@ -596,7 +628,7 @@ class LeaderElection:
                 won = await self._look_then_acquire(metadata, bound)
         except Exception as exc:
             self._stats.acquire_failures += 1
-            campaign.round_failed = True
+            campaign.round_failed, campaign.last_failure = True, exc
             self._log.failed("campaign round", exc)
             notify(lambda o: o.campaign_failed, self, exc)
             return None
@@ -873,6 +905,18 @@ class LeaderElection:
             self._log.log(
                 logging.WARNING, "could not check %s for an orphaned lease: %r", self.group, exc
             )
+
+
+def _require_async(fn: object, what: str) -> None:
+    """Refuse a plain function now, rather than when this replica first wins a term."""
+    if is_async_callable(fn):
+        return
+    kind = "not callable" if not callable(fn) else "not an async function"
+    raise TypeError(
+        f"{what}() needs an async function (async def fn(leadership, ...)); "
+        f"{describe_callable(fn)} is {kind}. To run a plain function in a thread each "
+        "term, use multilock.core.sync.LeaderElection"
+    )
 
 
 def _no_clock() -> float:

@@ -3,6 +3,7 @@
     MultilockError
      +-- ConfigurationError (also a ValueError): bad options, names, metadata or URLs
      +-- ProviderError: a call to the store failed; the driver's error is ``__cause__``
+                        (unless it held a secret); ``.reason`` says why, as a `FailureReason`
      +-- LeadershipLost: the term this code relied on has ended
 
 A lost lease is never reported as a silent ``False`` to user code: ``Leadership.check()``
@@ -10,6 +11,8 @@ raises `LeadershipLost`.
 """
 
 from __future__ import annotations
+
+from ._failures import FailureReason, classify
 
 __all__ = ["ConfigurationError", "LeadershipLost", "MultilockError", "ProviderError"]
 
@@ -23,7 +26,21 @@ class ConfigurationError(MultilockError, ValueError):
 
 
 class ProviderError(MultilockError):
-    """A backend call failed (network, server, driver); the term may or may not be intact."""
+    """A backend call failed (network, server, driver); the term may or may not be intact.
+
+    `reason` says why (the host does not resolve, the connection was refused, the
+    credentials were refused, TLS failed, no answer in time, or other), so code can
+    branch on it: given by whoever raised the error, or else read from its chain.
+    """
+
+    def __init__(self, *args: object, reason: FailureReason | None = None) -> None:
+        super().__init__(*args)
+        self._reason = reason
+
+    @property
+    def reason(self) -> FailureReason:
+        """Why the call failed; classified from the exception chain unless given."""
+        return self._reason if self._reason is not None else classify(self)
 
 
 class LeadershipLost(MultilockError):

@@ -44,10 +44,18 @@ def validate_name(value: object, field: str = "group") -> str:
         raise ConfigurationError(f"{field} must be a str, not {type(value).__name__}")
     if not _NAME.fullmatch(value):
         shown = value if len(value) <= 40 else value[:37] + "..."
-        raise ConfigurationError(
-            f"{field} {shown!r} is invalid: use 1 to {MAX_NAME_LENGTH} characters "
-            "of letters, digits, '_', '.' and '-'"
-        )
+        rule = f"use 1 to {MAX_NAME_LENGTH} characters of letters, digits, '_', '.' and '-'"
+        bad = sorted(set("".join(_NOT_NAME_CHAR.findall(value))))
+        problems = []
+        if not value:
+            problems.append("it is empty")
+        if len(value) > MAX_NAME_LENGTH:
+            problems.append(f"it has {len(value)} characters (the limit is {MAX_NAME_LENGTH})")
+        if bad:
+            chars = ", ".join(map(repr, bad[:5])) + (", ..." if len(bad) > 5 else "")
+            problems.append(f"{chars} {'is' if len(bad) == 1 else 'are'} not allowed")
+        why = " and ".join(problems)
+        raise ConfigurationError(f"{field} {shown!r} is invalid: {why}; {rule}")
     return value
 
 

@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 from ._errors import ConfigurationError
 from ._provider import Provider
 
-__all__ = ["ENTRY_POINT_GROUP", "available_schemes", "from_url", "redact_url"]
+__all__ = ["ENTRY_POINT_GROUP", "available_schemes", "from_url", "redact_text", "redact_url"]
 
 ENTRY_POINT_GROUP = "multilock.providers"
 _BUILTIN = {"memory": "multilock.core._memory:InMemoryProvider"}
@@ -90,6 +90,23 @@ def redact_url(url: str) -> str:
         return "<unparseable URL>"
 
 
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+_PAIR_IN_TEXT = re.compile(r"\b([A-Za-z_][\w.\-]*)=('[^']*'|\"[^\"]*\"|[^\s&;,'\")]+)")
+
+
+def redact_text(text: str) -> str:
+    """*text* with every URL in it redacted, and every ``secret=value`` pair too.
+
+    For messages of unknown origin (a third-party driver's error), where the URL whose
+    secrets `scrub` would cut is not known: a libpq-style ``password=...`` or a URL with
+    credentials is still caught.
+    """
+    text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    return _PAIR_IN_TEXT.sub(
+        lambda m: f"{m.group(1)}={_REDACTED}" if _is_secret(m.group(1)) else m.group(0), text
+    )
+
+
 def secrets_of(url: str) -> list[str]:
     """The raw secret substrings of *url*, to scrub from driver error messages."""
     found: list[str] = []
@@ -131,6 +148,21 @@ def _load(target: EntryPoint | str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def _no_scheme(url: str, schemes: list[str]) -> ConfigurationError:
+    """The error for a URL written without its ``scheme://``, with a corrected example."""
+    shown = redact_url(url) if "://" in url else redact_url(f"//{url}")[2:]
+    rest = shown.partition("://")[2] if "://" in shown else shown
+    stores = [s for s in schemes if s != "memory"]
+    if rest.startswith(("/", ".", "~")):
+        example = f"file://{rest}" if rest.startswith("/") else "file:///path/to/dir"
+    else:
+        example = f"{'redis' if 'redis' in stores or not stores else stores[0]}://{rest}"
+    return ConfigurationError(
+        f"URL {shown!r} has no scheme: write it as scheme://host:port/..., for example "
+        f"{example}; installed schemes: {', '.join(schemes)}"
+    )
+
+
 def from_url(url: str, **kwargs: Any) -> Provider:
     """Build the provider that *url*'s scheme names, e.g. ``redis://localhost:6379/0``.
 
@@ -143,13 +175,12 @@ def from_url(url: str, **kwargs: Any) -> Provider:
         scheme = urlsplit(url).scheme.lower()
     except ValueError as exc:
         raise ConfigurationError(f"invalid URL {redact_url(url)}: {exc}") from None
-    if not scheme:
-        raise ConfigurationError(
-            f"URL {redact_url(url)!r} has no scheme; installed schemes: "
-            f"{', '.join(available_schemes())}"
-        )
     providers = _entry_points()
     target = providers.get(scheme)
+    # "localhost:6379" parses as the scheme "localhost": without "://" and an installed
+    # scheme, the user meant a host, not a scheme.
+    if not scheme or (target is None and "://" not in url):
+        raise _no_scheme(url, sorted(providers))
     if target is None:
         hint = _DISTRIBUTIONS.get(scheme)
         install = f" (pip install {hint})" if hint else ""
@@ -158,14 +189,21 @@ def from_url(url: str, **kwargs: Any) -> Provider:
             f"installed schemes: {', '.join(sorted(providers))}"
         )
     cls = _load(target)
+    error: ConfigurationError | None
     try:
         provider = cls.from_url(url, **kwargs)
     except ConfigurationError as exc:
-        raise ConfigurationError(scrub(str(exc), url)) from None
+        error = ConfigurationError(scrub(str(exc), url))
     except (ValueError, TypeError) as exc:
-        raise ConfigurationError(
+        error = ConfigurationError(
             f"invalid {scheme} URL {redact_url(url)}: {scrub(str(exc), url)}"
-        ) from None
+        )
+    else:
+        error = None
+    if error is not None:
+        # Raised outside the handler: the provider's error, which may hold the password,
+        # must not travel on as this one's (suppressed) __context__.
+        raise error
     if not isinstance(provider, Provider):
         raise ConfigurationError(f"the {scheme!r} entry point did not build a Provider")
     return provider

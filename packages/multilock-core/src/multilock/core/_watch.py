@@ -7,7 +7,8 @@ import logging
 from collections.abc import AsyncIterator
 
 from ._calls import call_until, cancel_and_wait, sleep_until
-from ._election import _UNKNOWN, _key, _public
+from ._election import _UNKNOWN, _key
+from ._options import public_info as _public
 from ._provider import Provider
 from ._types import LeaderInfo
 

@@ -47,13 +47,14 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, Unpack
 
+from ._calls import describe_callable, is_async_callable
 from ._election import LeaderElection as AsyncLeaderElection
 from ._errors import LeadershipLost, MultilockError
 from ._events import EventStream
 from ._observe import Health
-from ._options import ElectionOptions
+from ._options import ElectionFields, ElectionOptions
 from ._portal import AsyncCall, BlockingPortal, LoopFactory
 from ._provider import Provider
 from ._signals import DEFAULT_SIGNALS
@@ -175,7 +176,7 @@ async def _finish(run: asyncio.Task[RunResult[None]], finished: asyncio.Future[N
 
 
 async def _build(
-    provider: Provider | str, options: ElectionOptions | None, option_fields: dict[str, Any]
+    provider: Provider | str, options: ElectionOptions | None, option_fields: ElectionFields
 ) -> AsyncLeaderElection:
     if not isinstance(provider, str):
         return AsyncLeaderElection(provider, options, **option_fields)
@@ -185,6 +186,19 @@ async def _build(
     except BaseException:
         await built.aclose()
         raise
+
+
+def _require_plain(fn: object, what: str) -> None:
+    """Refuse an async function: called in a thread, it would only make a coroutine."""
+    if not callable(fn):
+        raise TypeError(f"{what}() needs a function; {describe_callable(fn)} is not callable")
+    if is_async_callable(fn):
+        raise TypeError(
+            f"{what}() of multilock.core.sync calls fn(leadership, ...) in a thread, and "
+            f"{describe_callable(fn)} is an async function: calling it would only create a "
+            "coroutine that never runs. Await it through the async API instead: "
+            f"await multilock.core.LeaderElection(...).{what}(fn)"
+        )
 
 
 async def _on_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -197,7 +211,8 @@ class LeaderElection:
 
     *provider* is a `Provider` (never closed by this election) or a URL for
     `multilock.core.from_url` (then the provider is built on the loop thread and closed by
-    `close`). Pass an `ElectionOptions` or its fields as keywords, not both.
+    `close`). Pass an `ElectionOptions` or its fields as keywords (typed by
+    `multilock.core.ElectionFields`), not both.
     *loop_factory* gives the election a loop thread of its own (see the module docstring).
 
     ``with election:`` starts it and, on exit, stops it; an election built from a URL is
@@ -211,7 +226,7 @@ class LeaderElection:
         options: ElectionOptions | None = None,
         *,
         loop_factory: LoopFactory | None = None,
-        **option_fields: Any,
+        **option_fields: Unpack[ElectionFields],
     ) -> None:
         self._portal = BlockingPortal(loop_factory)
         self._closed = False
@@ -314,7 +329,12 @@ class LeaderElection:
                 await self._election.provider.aclose()
 
     def __enter__(self) -> Self:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            if self._owns_provider:  # built from a URL: __exit__ will not run to close it
+                self.close()
+            raise
         return self
 
     def __exit__(
@@ -351,6 +371,7 @@ class LeaderElection:
         term goes on until the election is stopped, which sets ``leadership.lost`` and
         still waits for *fn* (at most until the term's deadline).
         """
+        _require_plain(fn, "run_while_leader")
         run = self._election.run_while_leader
         try:
             self._call("run_while_leader()", run, _in_worker_thread, fn, *args)
@@ -368,6 +389,7 @@ class LeaderElection:
         COMPLETED with fn's value. Other exceptions of *fn* propagate. While *fn* runs,
         ``stop()`` and ``resign()`` wait for it (at most until the term's deadline).
         """
+        _require_plain(fn, "run_if_leader")
         run, leadership, finished = self._call("run_if_leader()", _hold_term, self._election)
         if leadership is None:  # not leading (or the term ended before fn could start)
             return RunResult(status=self._finish_run(run, finished))
