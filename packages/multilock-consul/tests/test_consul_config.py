@@ -66,7 +66,7 @@ def test_query_options_are_read_and_keywords_win() -> None:
         ("redis://h", "consul://"),
         ("consul://", "no host"),
         ("consul://h/some/path", "no path"),
-        ("consul://h?colour=blue", "unknown query parameter 'colour'"),
+        ("consul://h?colour=blue", "unknown option 'colour' in the consul URL"),
         ("consul://h?tls=maybe", "tls must be true or false"),
         ("https://h?tls=true", "tls= only goes with consul://"),
         ("consul://h?timeout=soon", "timeout must be seconds"),

@@ -16,7 +16,13 @@ import attrs
 import requests
 
 import consul  # type: ignore[import-untyped]
-from multilock.core.provider import ConfigurationError, LeaseBounds, redact_url, to_seconds
+from multilock.core.provider import (
+    ConfigurationError,
+    LeaseBounds,
+    check_url_options,
+    redact_url,
+    to_seconds,
+)
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -107,8 +113,15 @@ def parse_address(url: str) -> dict[str, Any]:
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as exc:
-        raise ConfigurationError(f"invalid Consul address {shown}: {exc}") from None
+    except ValueError:
+        parts = None
+    if parts is None:
+        # Neither the URL nor urllib's error (raised outside its handler, so it is not this
+        # error's context): an unencoded '/' in a token makes the rest of it the "port".
+        raise ConfigurationError(
+            "invalid Consul address: its host or port does not parse (percent-encode a "
+            "token: '/' as %2F)"
+        )
     scheme = parts.scheme.lower()
     if scheme not in ("consul", "http", "https"):
         raise ConfigurationError(
@@ -130,12 +143,9 @@ def parse_address(url: str) -> dict[str, Any]:
     if parts.password:
         found["token"] = unquote(parts.password)
     tls = scheme == "https"
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key not in _QUERY_KEYS:
-            raise ConfigurationError(
-                f"unknown query parameter {key!r} in {shown}; "
-                f"known: {', '.join(sorted(_QUERY_KEYS))}"
-            )
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    check_url_options((key for key, _ in pairs), _QUERY_KEYS, scheme=scheme)
+    for key, value in pairs:
         if key == "tls":
             if scheme != "consul":
                 raise ConfigurationError(f"tls= only goes with consul:// ({shown})")

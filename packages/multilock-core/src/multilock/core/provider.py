@@ -31,6 +31,7 @@ from ._names import to_seconds, validate_identifier, validate_metadata, validate
 from ._provider import LeaseBounds, Provider
 from ._types import LeaderInfo
 from ._url import redact_url, scrub
+from ._url_options import check_url_options
 from ._watching import EXPIRY_SLACK, Notifications, Observed, poll_watch
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "Provider",
     "ProviderError",
     "call_until",
+    "check_url_options",
     "poll_watch",
     "redact_url",
     "scrub",

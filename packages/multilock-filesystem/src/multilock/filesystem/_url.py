@@ -7,11 +7,12 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 from urllib.request import url2pathname
 
-from multilock.core.provider import ConfigurationError, redact_url
+from multilock.core.provider import ConfigurationError, check_url_options, redact_url
 
 __all__ = ["parse_url"]
 
 _SECONDS = ("lock_timeout", "poll_interval")
+_OPTIONS = (*_SECONDS, "notify")
 _FLAGS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -22,9 +23,10 @@ def parse_url(url: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if parts.scheme.lower() != "file":
         raise ConfigurationError(f"{shown!r} is not a file:// URL")
     if parts.netloc not in ("", "localhost"):
+        # The host only: the netloc may hold user:password, which no message may carry.
         raise ConfigurationError(
-            f"file URL {shown!r} names the host {parts.netloc!r}: a file URL takes an "
-            "absolute path after three slashes, file:///absolute/path; relative paths "
+            f"file URL {shown!r} names the host {parts.hostname or ''!r}: a file URL takes "
+            "an absolute path after three slashes, file:///absolute/path; relative paths "
             "and remote hosts are not supported"
         )
     path = url2pathname(parts.path)
@@ -33,10 +35,9 @@ def parse_url(url: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             f"file URL {shown!r} needs an absolute directory path: file:///absolute/path"
         )
     options = dict(kwargs)
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key not in (*_SECONDS, "notify"):
-            known = ", ".join((*_SECONDS, "notify"))
-            raise ConfigurationError(f"unknown option {key!r} in file URL; known: {known}")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    check_url_options((k for k, _ in pairs), _OPTIONS, scheme="file")
+    for key, value in pairs:
         if key in kwargs:
             raise ConfigurationError(f"{key} is given both in the URL and as a keyword")
         options[key] = _option(key, value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 from datetime import timedelta
@@ -12,10 +13,17 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 import attrs
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import Conninfo
 
-from multilock.core.provider import ConfigurationError, redact_url, scrub, to_seconds
+from multilock.core.provider import (
+    ConfigurationError,
+    check_url_options,
+    redact_url,
+    scrub,
+    to_seconds,
+)
 
-__all__ = ["SCHEMES", "ConnInfo", "split_url"]
+__all__ = ["SCHEMES", "ConnInfo", "libpq_keywords", "split_url"]
 
 SCHEMES = ("postgresql", "postgres")
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -47,6 +55,9 @@ class ConnInfo:
             raise ConfigurationError(
                 f"unsupported URL scheme {scheme.group(1)!r}: use postgresql:// or postgres://"
             )
+        if scheme:
+            # The constructor's URL goes to libpq as it is: schema and table are keywords.
+            _check_query(text, (), also="schema and table only in from_url's URL")
         try:
             params = conninfo_to_dict(text)
         except psycopg.Error as exc:
@@ -85,11 +96,31 @@ class ConnInfo:
         )
 
 
+@functools.cache
+def libpq_keywords() -> tuple[str, ...]:
+    """The query options libpq takes in a URL: its connection keywords (those of the
+    installed libpq, so a newer one's are known too), and ``ssl``."""
+    return tuple(sorted({o.keyword.decode() for o in Conninfo.get_defaults()} | {"ssl"}))
+
+
+def _check_query(url: str, ours: tuple[str, ...], also: str | None = None) -> None:
+    """Refuse a URL's query option that is neither *ours* nor libpq's, naming the known ones
+    (libpq would say only "invalid URI query parameter")."""
+    try:
+        parts = urlsplit(url)
+        names = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    except ValueError:
+        return  # libpq reports it, without the text
+    known = (*ours, *libpq_keywords())
+    check_url_options(names, known, scheme=parts.scheme.lower(), also=also)
+
+
 def split_url(url: str) -> tuple[str, dict[str, str]]:
     """Take ``schema`` and ``table`` out of *url*'s query; libpq would reject them."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in SCHEMES:
         raise ConfigurationError("a PostgreSQL URL starts with postgresql:// or postgres://")
+    _check_query(url, _OURS)
     query = parse_qsl(parts.query, keep_blank_values=True)
     ours = {k: v for k, v in query if k in _OURS}
     # quote_via=quote: libpq decodes %20 but not '+' as a space.

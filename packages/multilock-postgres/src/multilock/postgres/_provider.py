@@ -20,7 +20,8 @@ lease a notification announces is timed from the notification itself; only a wak
 lease's end reads the row.
 
 Failure modes: a driver error or timeout raises `ProviderError` (the driver's error as
-``__cause__`` unless it holds the password, which is scrubbed from every message).
+``__cause__`` unless it holds the password, which is scrubbed from every message); a
+refused login says the server refused the credentials, not that it cannot be reached.
 Connections the provider opened are dropped when they break and reopened by the next
 call; a call that failed only because a reused idle connection was dead (the server
 restarted) is retried once on a fresh one. Calls are bounded by ``connect_timeout``, by
@@ -42,7 +43,6 @@ from psycopg import errors
 from psycopg.types.json import Jsonb
 
 from multilock.core.provider import (
-    DriverCalls,
     LeaderInfo,
     Notifications,
     Provider,
@@ -50,6 +50,7 @@ from multilock.core.provider import (
     to_seconds,
 )
 
+from ._calls import PostgresCalls
 from ._connections import Connections, Source
 from ._conninfo import split_url
 from ._sql import Statements, validate_identifier
@@ -88,7 +89,7 @@ class PostgresProvider(Provider):
         self._table = validate_identifier(table, "table")
         statement_seconds = to_seconds(statement_timeout, "statement_timeout")
         self._connections = Connections(connection, connect_timeout, statement_seconds)
-        self._calls = DriverCalls(
+        self._calls = PostgresCalls(
             "postgres",
             self._connections.where,
             timeout=self._connections.connect_timeout + statement_seconds + 1.0,

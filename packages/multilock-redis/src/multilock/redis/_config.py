@@ -5,6 +5,8 @@ Credentials never leave this module in a message: errors name URLs through `reda
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -12,11 +14,12 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import attrs
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS, Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from multilock.core.provider import ConfigurationError, redact_url, to_seconds
+from multilock.core.provider import ConfigurationError, check_url_options, redact_url, to_seconds
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
@@ -24,6 +27,7 @@ __all__ = [
     "DEFAULT_SOCKET_TIMEOUT",
     "Settings",
     "client_from_url",
+    "driver_url_options",
     "parse_hosts",
     "redlock_targets",
     "sentinel_client",
@@ -38,6 +42,30 @@ DEFAULT_MAX_CONNECTIONS = 10
 #: Options of ours that a URL may carry in its query string (redis-py gets the rest).
 OWN_QUERY_KEYS = ("key_prefix", "socket_timeout", "socket_connect_timeout", "node_timeout")
 _PREFIX = re.compile(r"[!-z|~]{0,200}")  # printable ASCII without spaces, '{' and '}'
+#: Options of redis-py's connections that make sense as text in a URL (redis-py passes
+#: every query option it does not parse itself to the connection as a str). Only those
+#: the installed redis-py's connection class takes are offered.
+_DRIVER_TEXT_OPTIONS = frozenset(
+    {
+        "client_name",
+        "username",
+        "password",
+        "lib_name",
+        "lib_version",
+        "encoding",
+        "encoding_errors",
+        "ssl_keyfile",
+        "ssl_certfile",
+        "ssl_cert_reqs",
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_ca_data",
+        "ssl_ciphers",
+        "ssl_password",
+    }
+)
+#: Options of the blocking pool this package builds (the wait for a free connection).
+_POOL_OPTIONS = frozenset({"max_connections", "timeout"})
 
 
 def _from_query(key: str, value: str) -> Any:
@@ -110,8 +138,41 @@ class Settings:
         }
 
 
+def _init_parameters(cls: type) -> frozenset[str]:
+    """The keyword parameters of *cls*'s ``__init__`` and of those it passes ``**kwargs`` to."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = inspect.signature(init).parameters.values()
+        names.update(p.name for p in parameters if p.kind is p.KEYWORD_ONLY)
+        names.update(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return frozenset(names - {"self"})
+
+
+@functools.cache
+def driver_url_options(scheme: str) -> tuple[str, ...]:
+    """The query options redis-py takes in a URL of *scheme* (its own and its connections').
+
+    ``redis://`` and ``redlock://`` (whose nodes are ``redis://``) get a plain connection,
+    ``rediss://`` a TLS one; a Sentinel URL takes none (give ``sentinel_kwargs``).
+    """
+    if scheme == "redis+sentinel":
+        return ()
+    accepted = _init_parameters(SSLConnection if scheme == "rediss" else Connection)
+    offered = (set(URL_QUERY_ARGUMENT_PARSERS) | _DRIVER_TEXT_OPTIONS) & accepted
+    return tuple(sorted(offered | _POOL_OPTIONS))
+
+
 def split_url(url: str, schemes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
-    """Return *url* without our own query options, and those options."""
+    """Return *url* without our own query options, and those options.
+
+    Every query option must be ours or one redis-py takes: a typo is refused here, with
+    the known names, rather than by redis-py's connection as an unexpected argument.
+    """
     if not isinstance(url, str):
         raise ConfigurationError(f"url must be a str, not {type(url).__name__}")
     try:
@@ -124,6 +185,9 @@ def split_url(url: str, schemes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
             f"URL {redact_url(url)} must start with one of: "
             + ", ".join(f"{s}://" for s in schemes)
         )
+    scheme = parts.scheme.lower()
+    known = (*OWN_QUERY_KEYS, *driver_url_options(scheme))
+    check_url_options((k for k, _ in pairs), known, scheme=scheme)
     own = {k: v for k, v in pairs if k in OWN_QUERY_KEYS}
     rest = urlencode([(k, v) for k, v in pairs if k not in OWN_QUERY_KEYS])
     return urlunsplit((parts.scheme.lower(), parts.netloc, parts.path, rest, "")), own
@@ -204,11 +268,6 @@ def sentinel_client(
     from redis.asyncio.sentinel import Sentinel
 
     userinfo, hosts, path = parse_hosts(url, 26379)
-    if urlsplit(url).query:
-        raise ConfigurationError(
-            f"URL {redact_url(url)}: a Sentinel URL takes only key_prefix, socket_timeout "
-            "and socket_connect_timeout as query options"
-        )
     service, _, db = path.strip("/").partition("/")
     if not re.fullmatch(r"[A-Za-z0-9_.\-]{0,255}", service):
         raise ConfigurationError(f"URL {redact_url(url)} has an invalid service name")

@@ -18,11 +18,16 @@ import math
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    NoPermissionError,
+    RedisError,
+)
 
 from multilock.core.provider import DriverCalls, LeaderInfo, ProviderError, redact_url, scrub
 
@@ -67,8 +72,13 @@ class Granted:
 
 
 class _Calls(DriverCalls):
-    """`DriverCalls` that also cut the secrets of the node's URL from messages, and queue
-    commands for the pool's connections in a FIFO of their own.
+    """`DriverCalls` that also cut the secrets of the node's URL from messages, say when
+    the server refused the credentials, and queue commands for the pool's connections in
+    a FIFO of their own.
+
+    A refused password is not "cannot reach the server": its message says so, names the
+    server once, and tells a missing password from a wrong one (*authenticated*: the
+    URL or client gives credentials).
 
     redis-py's blocking pool makes every waiter take and give back one condition lock:
     with thousands of elections waiting (a process leading 10,000 groups starting up),
@@ -80,17 +90,47 @@ class _Calls(DriverCalls):
     """
 
     def __init__(
-        self, where: str, timeout: float, url: str | None, secrets: Sequence[str], slots: int
+        self,
+        where: str,
+        timeout: float,
+        url: str | None,
+        secrets: Sequence[str],
+        slots: int,
+        *,
+        authenticated: bool,
     ):
         super().__init__(
             "redis", where, timeout=timeout, failures=(RedisError, OSError), secrets=secrets
         )
         self._url = url
         self._slots = asyncio.Semaphore(max(1, slots))
+        self._authenticated = authenticated
 
     def scrub(self, text: str) -> str:
         text = super().scrub(text)
         return text if self._url is None else scrub(text, self._url)
+
+    def error(self, op: str, exc: BaseException) -> ProviderError:
+        error = super().error(op, exc)
+        if isinstance(exc, AuthenticationWrongNumberOfArgsError):
+            what = "takes a password only, no user name (Redis before 6)"
+        elif isinstance(exc, AuthenticationError):
+            what = (
+                "refused the credentials"
+                if self._authenticated
+                else "requires a password, and none was given"
+            )
+        elif isinstance(exc, NoPermissionError):
+            what = "refused a command to this user (its ACL does not allow it)"
+        else:
+            return error
+        detail = self.scrub(str(exc).strip()) or type(exc).__name__
+        specific = ProviderError(
+            f"redis {op} failed: the Redis server at {self.where} {what}: {detail}"
+        )
+        specific.__cause__ = error.__cause__  # None if the driver's error held a secret
+        specific.__suppress_context__ = True
+        return specific
 
     async def call(self, op: str, call: Awaitable[T], *, limit: float | None = None) -> T:
         try:
@@ -157,7 +197,15 @@ class Node:
             where = (
                 f"{kwargs.get('host', 'redis')}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
             )
-            calls = _Calls(where, timeout, None, [password, unquote(password)], _slots(target))
+            authenticated = bool(password or kwargs.get("credential_provider"))
+            calls = _Calls(
+                where,
+                timeout,
+                None,
+                [password, unquote(password)],
+                _slots(target),
+                authenticated=authenticated,
+            )
             return cls(target, calls, owned=False, settings=settings)
         closers: list[Callable[[], Awaitable[Any]]] = []
         if urlsplit(target).scheme == "redis+sentinel":
@@ -165,7 +213,12 @@ class Node:
             closers.append(close_sentinels)
         else:
             client = client_from_url(target, settings)
-        calls = _Calls(redact_url(target), timeout, target, (), _slots(client))
+        parts = urlsplit(target)
+        given = {k for k, _ in parse_qsl(parts.query)}
+        authenticated = parts.password is not None or bool(parts.username) or "password" in given
+        calls = _Calls(
+            redact_url(target), timeout, target, (), _slots(client), authenticated=authenticated
+        )
         return cls(client, calls, owned=True, settings=settings, closers=closers)
 
     def _keys(self, group: str) -> tuple[str, str, str]:

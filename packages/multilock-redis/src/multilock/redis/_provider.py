@@ -49,7 +49,9 @@ class RedisProvider(RedisBase):
     builds a client with short timeouts, no retries and a bounded pool, and closes it in
     `aclose`) or an existing ``redis.asyncio.Redis``, which the provider uses as it is and
     never closes. A URL may carry ``key_prefix``, ``socket_timeout`` and
-    ``socket_connect_timeout`` in its query string; keyword arguments win.
+    ``socket_connect_timeout`` in its query string (keyword arguments win), and the
+    options redis-py takes (``client_name``, ``max_connections``...); any other name is
+    refused with the list of the known ones.
     ``sentinel_kwargs`` (e.g. the sentinels' own password) applies to ``redis+sentinel://``
     only. Use a provider from one event loop.
     """

@@ -89,9 +89,11 @@ async def listen_quorum(nodes: Sequence[Node], quorum: int, notifications: Notif
             except ProviderError as exc:
                 errors.append(exc)
             if len(errors) > len(nodes) - quorum:
+                # Each node's reason, already free of secrets (its DriverCalls scrubbed it).
+                reasons = "; ".join(str(e) or type(e).__name__ for e in errors)
                 raise ProviderError(
                     f"redlock pub/sub: {len(errors)} of {len(nodes)} subscriptions broke, "
-                    f"{quorum} needed"
+                    f"{quorum} needed: {reasons}"
                 ) from errors[0]
     finally:
         for task in tasks:

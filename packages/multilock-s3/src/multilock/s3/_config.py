@@ -6,7 +6,7 @@ import re
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from multilock.core.provider import ConfigurationError, redact_url
+from multilock.core.provider import ConfigurationError, check_url_options, redact_url
 
 __all__ = ["check_bucket", "check_prefix", "parse_url"]
 
@@ -16,6 +16,7 @@ _SCHEMES = {"s3": True, "s3+http": False}
 _TEXT = ("region", "session_token", "ca_certs")
 _SECONDS = ("timeout", "poll_interval")
 _FLAGS = ("cert_check", "create_bucket")
+_OPTIONS = (*_TEXT, *_SECONDS, *_FLAGS, "prefix")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -53,11 +54,14 @@ def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
         parts = urlsplit(url)
         port = parts.port
     except ValueError:
-        # Not the URL nor the error: an unencoded '/' in a secret key shows up as the port.
+        parts = None
+    if parts is None:
+        # Not the URL nor urllib's error (raised outside its handler, so it is not this
+        # error's context): an unencoded '/' in a secret key shows up as the port.
         raise ConfigurationError(
             "bad S3 URL: its host or port does not parse (percent-encode a secret key: "
             "'/' as %2F, '+' as %2B)"
-        ) from None
+        )
     if parts.scheme not in _SCHEMES:
         raise ConfigurationError(f"an S3 URL starts with s3:// or s3+http://, got {shown}")
     if not parts.hostname:
@@ -74,14 +78,15 @@ def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
         options["access_key"] = unquote(parts.username)
     if parts.password:
         options["secret_key"] = unquote(parts.password)
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    check_url_options((key for key, _ in pairs), _OPTIONS, scheme=parts.scheme)
+    for key, value in pairs:
         options[key] = _option(key, value, shown)
     return endpoint, bucket, options
 
 
 def _option(key: str, value: str, shown: str) -> Any:
-    if key in _TEXT or key == "prefix":
-        return value
+    """The value of a known option (`check_url_options` refused the others)."""
     if key in _SECONDS:
         try:
             return float(value)
@@ -93,5 +98,4 @@ def _option(key: str, value: str, shown: str) -> Any:
         if value.lower() in _FALSE:
             return False
         raise ConfigurationError(f"{key} in {shown} must be true or false, got {value!r}")
-    known = ", ".join(sorted((*_TEXT, *_SECONDS, *_FLAGS, "prefix")))
-    raise ConfigurationError(f"unknown option {key!r} in {shown}; known: {known}")
+    return value

@@ -4,18 +4,20 @@ The URL form is ``mssql://user:pass@host:1433/db?driver=...&Key=value`` (``sqlse
 works too). It becomes the ODBC string ``DRIVER={...};SERVER=tcp:host,1433;DATABASE=db;
 UID=user;PWD={pass};Key=value``. ``schema``, ``table``, ``login_timeout`` and
 ``query_timeout`` in the query are the provider's own options; every other query
-parameter is an ODBC keyword, passed through as written.
+parameter is an ODBC keyword, passed through as written, unless it looks like a typo of
+one of ours (``query_timout``, ``QueryTimeout``): that is refused, naming ours.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import re
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import attrs
 
-from multilock.core.provider import ConfigurationError, redact_url
+from multilock.core.provider import ConfigurationError, check_url_options, redact_url
 
 __all__ = ["SCHEMES", "ConnString", "format_pairs", "parse_odbc", "parse_url"]
 
@@ -25,6 +27,19 @@ OPTIONS = ("schema", "table", "login_timeout", "query_timeout")
 _REDACTED = "***"
 _SECRET_KEYS = frozenset({"pwd", "password", "accesstoken", "clientsecret"})
 _KEY = re.compile(r"[A-Za-z][A-Za-z0-9 _-]*")
+#: How our own options are written (ODBC keywords are mostly CamelCase).
+_OUR_STYLE = re.compile(r"[a-z0-9]+(?:_[a-z0-9]+)+")
+#: ODBC keywords of Microsoft's drivers and FreeTDS that are written like our options.
+_ODBC_WITH_UNDERSCORE = frozenset(
+    {
+        "failover_partner",
+        "mars_connection",
+        "querylog_on",
+        "statslog_on",
+        "tds_version",
+        "trusted_connection",
+    }
+)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 Pairs = tuple[tuple[str, str], ...]
@@ -102,6 +117,24 @@ def format_pairs(pairs: Pairs, *, redact: bool = False) -> str:
     return ";".join(f"{k}={_REDACTED if redact and _is_secret(k) else _quote(v)}" for k, v in pairs)
 
 
+def _mistyped(key: str) -> bool:
+    """Whether a query key is no ODBC keyword but looks like a typo of one of our options.
+
+    Every other key is passed to the driver, which takes keywords no list here can hold
+    (DSNs, driver versions): only names written like ours (``query_timout``), close to
+    one of ours (``QueryTimeout``) or not keywords at all are refused.
+    """
+    lowered = key.lower()
+    if not _KEY.fullmatch(key):
+        return True
+    if lowered in _ODBC_WITH_UNDERSCORE or lowered == "driver":
+        return False
+    close = difflib.get_close_matches(
+        lowered.replace("_", ""), [o.replace("_", "") for o in OPTIONS], cutoff=0.8
+    )
+    return bool(_OUR_STYLE.fullmatch(key) or close)
+
+
 def parse_url(url: str) -> tuple[Pairs, dict[str, str]]:
     """Turn an ``mssql://`` or ``sqlserver://`` URL into ODBC pairs and the provider's options.
 
@@ -111,8 +144,15 @@ def parse_url(url: str) -> tuple[Pairs, dict[str, str]]:
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as exc:
-        raise ConfigurationError(f"invalid SQL Server URL {redact_url(url)}: {exc}") from None
+    except ValueError:
+        parts = None
+    if parts is None:
+        # Not the URL nor urllib's error (raised outside its handler, so it is not this
+        # error's context): an unencoded '/' in a password shows up as the port.
+        raise ConfigurationError(
+            "invalid SQL Server URL: its host or port does not parse (percent-encode a "
+            "password: '/' as %2F, '@' as %40)"
+        )
     if parts.scheme.lower() not in SCHEMES:
         raise ConfigurationError("a SQL Server URL starts with mssql:// or sqlserver://")
     if not parts.hostname:
@@ -133,13 +173,18 @@ def parse_url(url: str) -> tuple[Pairs, dict[str, str]]:
     if parts.password is not None:
         pairs.append(("PWD", unquote(parts.password)))
     options: dict[str, str] = {}
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    check_url_options(
+        (k for k, _ in query if k not in OPTIONS and _mistyped(k)),
+        (*OPTIONS, "driver"),
+        scheme=parts.scheme.lower(),
+        also="any ODBC keyword of the driver (Encrypt, TrustServerCertificate, ...)",
+    )
+    for key, value in query:
         if key in OPTIONS:
             options[key] = value
         elif key.lower() == "driver":
             pairs[0] = ("DRIVER", value)
-        elif not _KEY.fullmatch(key):
-            raise ConfigurationError(f"invalid ODBC keyword {key!r} in the SQL Server URL")
         elif key.upper() in ("SERVER", "ADDR", "ADDRESS"):
             pairs[1] = ("SERVER", value)
         else:

@@ -8,7 +8,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
 
-from multilock.core.provider import ConfigurationError, redact_url, to_seconds
+from multilock.core.provider import ConfigurationError, check_url_options, redact_url, to_seconds
 
 __all__ = ["Settings", "parse_url"]
 
@@ -54,10 +54,10 @@ def parse_url(url: str) -> tuple[str, str | None, str, dict[str, Any]]:
     chroot = parts.path.rstrip("/")
     if chroot:
         validate_root(chroot, "chroot")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    check_url_options((key for key, _ in pairs), _KEYS, scheme=parts.scheme)
     options: dict[str, Any] = {}
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if key not in _KEYS:
-            raise ConfigurationError(f"unknown option {key!r} in {shown}; known: {_KEYS}")
+    for key, value in pairs:
         try:
             options[key] = value if key == "root" else float(value)
         except ValueError:
