@@ -73,6 +73,7 @@ def ci(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", *(a for name in IMPORTS for a in ("-p", name)))
+    session.run("mypy", "packages/multilock-cli/src/multilock/__main__.py")
     session.run("pytest", *session.posargs)
 
 
@@ -87,6 +88,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     _install_all(session)
     session.run("mypy", *(a for name in IMPORTS for a in ("-p", name)))
+    session.run("mypy", "packages/multilock-cli/src/multilock/__main__.py")
 
 
 @nox.session

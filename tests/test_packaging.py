@@ -13,6 +13,7 @@ import concurrent.futures
 import configparser
 import importlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 import subprocess
@@ -26,6 +27,8 @@ import attrs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The public repository: every Project-URL of every distribution lives under it.
+REPOSITORY = "https://github.com/multilock/multilock"
 LICENSE = (ROOT / "LICENSE").read_bytes()
 PACKAGE_DIRS = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
 CORE = "multilock-core"
@@ -40,6 +43,10 @@ INTEGRATIONS = {
     "multilock-starlette",
 }
 NO_PROVIDER = {CORE, "multilock-cli", *INTEGRATIONS}
+CLI = "multilock-cli"
+#: The only file a distribution may put at the namespace level: ``python -m multilock``
+#: (a namespace portion may hold a ``__main__.py``, never an ``__init__.py``).
+NAMESPACE_FILES = {CLI: ["__main__.py"]}
 
 _BUILD = "import sys; from hatchling.build import build_wheel; print(build_wheel(sys.argv[1]))"
 
@@ -122,6 +129,24 @@ def _metadata(zf: zipfile.ZipFile) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in headers.splitlines() if ": " in line)
 
 
+def _project_urls(zf: zipfile.ZipFile) -> dict[str, str]:
+    """The ``Project-URL: Label, url`` headers (a header that repeats, so not in `_metadata`)."""
+    text = zf.read(f"{_dist_info(zf)}/METADATA").decode()
+    headers = text.split("\n\n", 1)[0]
+    urls = {}
+    for line in headers.splitlines():
+        if line.startswith("Project-URL: "):
+            label, _, url = line.removeprefix("Project-URL: ").partition(", ")
+            urls[label] = url
+    return urls
+
+
+def _long_description(zf: zipfile.ZipFile) -> str:
+    """The body of METADATA: the README, as PyPI shows it."""
+    text = zf.read(f"{_dist_info(zf)}/METADATA").decode()
+    return text.split("\n\n", 1)[1] if "\n\n" in text else ""
+
+
 def _entry_points(zf: zipfile.ZipFile) -> dict[str, dict[str, str]]:
     name = f"{_dist_info(zf)}/entry_points.txt"
     if name not in zf.namelist():
@@ -182,6 +207,11 @@ def test_namespace_has_no_init_or_marker(package: Package) -> None:
         assert not (namespace / stray).exists(), (
             f"{namespace / stray} breaks the PEP 420 namespace multilock: delete it"
         )
+    files = sorted(p.name for p in namespace.iterdir() if p.is_file())
+    assert files == NAMESPACE_FILES.get(package.dist, []), (
+        f"{package.dist} ships {files} at the namespace level src/multilock/: only "
+        f"multilock-cli's __main__.py belongs there"
+    )
     subpackages = sorted(
         p.name for p in namespace.iterdir() if p.is_dir() and p.name != "__pycache__"
     )
@@ -235,7 +265,8 @@ def test_wheel_contents(package: Package, wheels: dict[str, Built]) -> None:
         prefix = f"multilock/{package.import_name}/"
         assert "multilock/__init__.py" not in names
         assert "multilock/py.typed" not in names
-        strays = [n for n in names if not n.startswith((prefix, f"{info}/"))]
+        allowed = [f"multilock/{name}" for name in NAMESPACE_FILES.get(package.dist, [])]
+        strays = [n for n in names if not n.startswith((prefix, f"{info}/")) and n not in allowed]
         assert not strays, f"files outside {prefix} and {info}/: {strays}"
         assert f"{prefix}__init__.py" in names
         assert f"{prefix}py.typed" in names
@@ -319,3 +350,80 @@ def test_cli_console_script(wheels: dict[str, Built]) -> None:
         points = _entry_points(zf)
     assert points.get("console_scripts", {}).get("multilock", "").startswith("multilock.cli")
     assert "multilock.providers" not in points
+
+
+def test_cli_wheel_ships_python_dash_m_multilock(wheels: dict[str, Built]) -> None:
+    """``multilock/__main__.py`` is in the multilock-cli wheel, next to (not in) the namespace."""
+    with wheels[CLI].open() as zf:
+        names = zf.namelist()
+        assert "multilock/__main__.py" in names
+        assert "multilock/__init__.py" not in names
+        source = zf.read("multilock/__main__.py").decode()
+    assert "main" in _top_level_names(source), source
+    assert "multilock.cli" in source, source
+
+
+def test_python_dash_m_multilock_runs_the_command(tmp_path: Path) -> None:
+    """``python -m multilock`` is the ``multilock`` command, and multilock stays a namespace."""
+    namespace = importlib.util.find_spec("multilock")
+    assert namespace is not None
+    assert namespace.origin in (None, "namespace"), f"multilock is not a namespace: {namespace}"
+    result = subprocess.run(
+        [sys.executable, "-m", "multilock", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Usage: multilock "), result.stdout
+    for command in ("demo", "run", "status", "watch"):
+        assert re.search(rf"^  {command} ", result.stdout, re.M), result.stdout
+
+
+# ---------------------------------------------------------------- what PyPI shows
+#: Summaries that tools write when nobody wrote one.
+PLACEHOLDERS = ("add your description here", "todo", "tbd", "placeholder", "lorem ipsum")
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=IDS)
+def test_wheel_project_urls(package: Package, wheels: dict[str, Built]) -> None:
+    with wheels[package.dist].open() as zf:
+        urls = _project_urls(zf)
+    assert {"Homepage", "Source"} <= set(urls), f"{package.dist} has Project-URLs {urls}"
+    for label, url in urls.items():
+        assert url.startswith(REPOSITORY), f"{package.dist} {label} {url} is not under {REPOSITORY}"
+    # Source and Documentation lead to this distribution's folder, not just to the repository.
+    folder = f"/packages/{package.dist}"
+    assert folder in urls["Source"], f"{package.dist} Source {urls['Source']}"
+    if "Documentation" in urls:
+        assert folder in urls["Documentation"], f"{package.dist} Documentation"
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=IDS)
+def test_wheel_summary_says_what_it_does(package: Package, wheels: dict[str, Built]) -> None:
+    with wheels[package.dist].open() as zf:
+        summary = _metadata(zf).get("Summary", "").strip()
+    assert 40 <= len(summary) <= 200, f"{package.dist} Summary {summary!r}: one real sentence"
+    assert summary.casefold() not in {package.dist, package.import_name, "multilock"}
+    assert not any(p in summary.casefold() for p in PLACEHOLDERS), summary
+    assert summary.endswith("."), f"{package.dist} Summary {summary!r}: one sentence"
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=IDS)
+def test_wheel_long_description(package: Package, wheels: dict[str, Built]) -> None:
+    with wheels[package.dist].open() as zf:
+        content_type = _metadata(zf).get("Description-Content-Type", "")
+        description = _long_description(zf)
+    assert content_type.startswith("text/markdown"), content_type
+    lines = [line for line in description.splitlines() if line.strip()]
+    assert len(lines) > 10, f"{package.dist}'s PyPI description has {len(lines)} lines"
+    assert description.lstrip().startswith(f"# {package.dist}"), description[:80]
+    assert re.search(r"\]\(https://[^)\s]+\)", description), (
+        f"{package.dist}'s PyPI description links nowhere"
+    )
+    if package.dist == CORE:  # core's page is where pip users land: lead them to the guide
+        assert f"]({REPOSITORY}#readme)" in description, (
+            f"{CORE}'s description must link to the project README, {REPOSITORY}#readme"
+        )
