@@ -284,6 +284,7 @@ class EtcdProvider(Provider):
         """The provider's one etcd watch, on every key under the prefix."""
         prefix = f"{self._prefix}/".encode()
         stream = await self._calls.call("watch", self._client.watch_prefix(prefix))
+        failure: BaseException | None = None
         try:
             notes.ready()
             async for event in stream:
@@ -294,12 +295,14 @@ class EtcdProvider(Provider):
                     self._freed.discard(group)
                 notes.notify(group)
         except self._calls.failures as exc:
-            self._calls.fail("watch", exc)
+            failure = exc  # raised below, outside the handler: no secret rides as context
         finally:
             self._freed.clear()
             with contextlib.suppress(*self._calls.failures, ProviderError):
                 async with asyncio.timeout(self._timeout):
                     await stream.cancel()
+        if failure is not None:
+            self._calls.fail("watch", failure)
 
     async def aclose(self) -> None:
         if self._calls.closed:

@@ -212,6 +212,7 @@ class PostgresProvider(Provider):
         """LISTEN on one connection for every watch of this provider, until cancelled."""
         self._notified.clear()  # what was notified before may have been missed since
         conn = await self._calls.call("watch", self._connections.listener())
+        failure: BaseException | None = None
         try:
             await self._calls.call("watch", conn.execute(self._sql.listen))
             notifications.ready()
@@ -229,9 +230,11 @@ class PostgresProvider(Provider):
                     self._notified = {g: t for g, t in self._notified.items() if g in groups}
                     watched = len(groups)
         except self._calls.failures as exc:
-            self._calls.fail("watch", exc)
+            failure = exc  # raised below, outside the handler: no secret rides as context
         finally:
             await conn.close()
+        if failure is not None:
+            self._calls.fail("watch", failure)
 
     async def _expires_in(self, group: str) -> float | None:
         """Seconds the group's lease has left (None: no lease), read only when needed.

@@ -370,10 +370,13 @@ class Node:
             pattern = _scripts.channel_pattern(self.prefix)
             await self.calls.call("subscribe", pubsub.psubscribe(pattern))
             while True:
+                failure: BaseException | None = None
                 try:
                     message = await pubsub.get_message(timeout=None)
                 except self.calls.failures as exc:
-                    self.calls.fail("subscription", exc)
+                    failure = exc  # raised below, outside the handler: no secret as context
+                if failure is not None:
+                    self.calls.fail("subscription", failure)
                 if message is None:
                     continue
                 if message["type"] == "psubscribe":
