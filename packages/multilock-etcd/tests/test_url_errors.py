@@ -6,22 +6,10 @@ from __future__ import annotations
 import pytest
 
 from multilock.core import ConfigurationError, from_url
+from multilock.core.testing import error_texts as texts
 from multilock.etcd import EtcdProvider
 
 PASSWORD = "Corr3ct-h0rse"
-
-
-def texts(exc: BaseException) -> list[str]:
-    """str, repr and args of *exc* and of every exception chained to it, either way."""
-    found: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or any(current is seen for seen in found):
-            continue
-        found.append(current)
-        todo += [current.__cause__, current.__context__]
-    return [t for e in found for t in (str(e), repr(e), *(repr(a) for a in e.args))]
 
 
 def test_an_unknown_option_lists_the_known_ones() -> None:

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from multilock.core import ConfigurationError, ProviderError, from_url
+from multilock.core.testing import error_texts as texts
 from multilock.postgres import PostgresProvider
 from multilock.postgres._calls import refusal
 from multilock.postgres._conninfo import libpq_keywords
@@ -32,19 +33,6 @@ def closed_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
-
-
-def texts(exc: BaseException) -> list[str]:
-    """str, repr and args of *exc* and of every exception chained to it, either way."""
-    found: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or any(current is seen for seen in found):
-            continue
-        found.append(current)
-        todo += [current.__cause__, current.__context__]
-    return [t for e in found for t in (str(e), repr(e), *(repr(a) for a in e.args))]
 
 
 # -- unknown URL options -------------------------------------------------------------------

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from multilock.core import ConfigurationError, ProviderError, from_url
+from multilock.core.testing import error_texts as texts
 from multilock.redis import RedisProvider, RedlockProvider
 from multilock.redis._config import OWN_QUERY_KEYS, driver_url_options
 
@@ -26,19 +27,6 @@ def closed_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
     return port
-
-
-def texts(exc: BaseException) -> list[str]:
-    """str, repr and args of *exc* and of every exception chained to it, either way."""
-    found: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or any(current is seen for seen in found):
-            continue
-        found.append(current)
-        todo += [current.__cause__, current.__context__]
-    return [t for e in found for t in (str(e), repr(e), *(repr(a) for a in e.args))]
 
 
 # -- unknown URL options -------------------------------------------------------------------

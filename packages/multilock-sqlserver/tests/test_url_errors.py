@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from multilock.core import ConfigurationError, from_url
+from multilock.core.testing import error_texts as texts
 from multilock.sqlserver import SqlServerProvider
 from multilock.sqlserver._connstr import parse_url
 
@@ -14,19 +15,6 @@ KNOWN = (
     "known: driver, login_timeout, query_timeout, schema, table, and any ODBC keyword of the "
     "driver (Encrypt, TrustServerCertificate, ...)"
 )
-
-
-def texts(exc: BaseException) -> list[str]:
-    """str, repr and args of *exc* and of every exception chained to it, either way."""
-    found: list[BaseException] = []
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or any(current is seen for seen in found):
-            continue
-        found.append(current)
-        todo += [current.__cause__, current.__context__]
-    return [t for e in found for t in (str(e), repr(e), *(repr(a) for a in e.args))]
 
 
 @pytest.mark.parametrize(

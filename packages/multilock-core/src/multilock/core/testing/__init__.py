@@ -13,6 +13,7 @@
 from ._clock import FakeClock
 from ._cluster import Cluster, Member
 from ._contract import PROVIDER_CHECKS, ProviderFactory, check_provider
+from ._errors import error_texts
 from ._faults import Fault, FaultyProvider
 from ._simulator import (
     SimulationConfig,
@@ -25,13 +26,13 @@ from ._simulator import (
 from ._timeline import Interval, TimelineReport, check_timeline, read_event_logs
 
 __all__ = [
-    "PROVIDER_CHECKS",
     "Cluster",
-    "Fault",
     "FakeClock",
+    "Fault",
     "FaultyProvider",
     "Interval",
     "Member",
+    "PROVIDER_CHECKS",
     "ProviderFactory",
     "SimulationConfig",
     "SimulationFailure",
@@ -40,6 +41,7 @@ __all__ = [
     "TimelineReport",
     "check_provider",
     "check_timeline",
+    "error_texts",
     "read_event_logs",
     "run_simulations",
     "simulate",
