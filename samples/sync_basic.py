@@ -24,7 +24,10 @@ from multilock.core.sync import EventIterator, LeaderElection
 
 
 def say(text: str) -> None:
-    print(f"{datetime.now():%H:%M:%S.%f}"[:-3] + f" [{threading.current_thread().name}] {text}")
+    stamp = f"{datetime.now():%H:%M:%S.%f}"[:-3]
+    # One write per line: print() writes the text and its newline separately, so lines
+    # printed by two threads at once could run together.
+    sys.stdout.write(f"{stamp} [{threading.current_thread().name}] {text}\n")
     sys.stdout.flush()
 
 
