@@ -8,6 +8,7 @@ from multilock.core import (
     redact_url,
 )
 from multilock.core import _url as url_module
+from multilock.core.provider import scrub
 
 
 def test_memory_is_built_in():
@@ -73,6 +74,27 @@ def test_non_string_url():
 )
 def test_redact_url(url, expected):
     assert redact_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        # urllib ends the host part inside these passwords: they must still be cut.
+        ("redis://:se/cr/et@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://u:se?cret@h:6379/0", "redis://u:***@h:6379/0"),
+        ("redis://u:se#cret@h/0", "redis://u:***@h/0"),
+        ("postgresql://u:1234/5678@h/db", "postgresql://u:***@h/db"),
+        # An '@' past a host:port is over-redacted rather than risk a password.
+        ("redis://h:6379/0?client_name=a@b", "redis://h:***@b"),
+        ("redis://h/0?client_name=a@b", "redis://h/0?client_name=a%40b"),
+    ],
+)
+def test_redact_url_with_unencoded_delimiters_in_the_password(url, expected):
+    assert redact_url(url) == expected
+    secret = url.partition(":")[2][2:].partition("@")[0].partition(":")[2]
+    if secret and expected != url:
+        assert secret not in redact_url(url)
+        assert scrub(f"driver said {url} and {secret}", url).count(secret) == 0
 
 
 def test_driver_errors_are_scrubbed(monkeypatch):

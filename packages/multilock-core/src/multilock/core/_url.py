@@ -67,9 +67,36 @@ def _is_secret(key: str) -> bool:
     return lowered in _SECRET_QUERY_KEYS or re.split(r"[_.\-]", lowered)[-1] in _SECRET_WORDS
 
 
+def _unparsed_password(url: str) -> tuple[str, str, str] | None:
+    """``(before, password, after)`` when a password holds an unencoded ``/``, ``?`` or ``#``.
+
+    urllib then ends the host part inside the password (``redis://:se/cret@host`` has the
+    netloc ``:se``), so the password would pass unredacted. Whenever the netloc has a
+    ``:`` but no ``@`` while an ``@`` follows later, everything up to the last ``@`` is
+    taken for the user information: a host:port URL with an ``@`` in its path or query is
+    then over-redacted, never a password shown.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return None
+    netloc = urlsplit(url).netloc
+    at = rest.rfind("@")
+    if "@" in netloc or ":" not in netloc or at < 0:
+        return None
+    userinfo = rest[:at]
+    user, colon, password = userinfo.partition(":")
+    if not colon:
+        return None
+    return f"{scheme}://{user}:", password, rest[at:]
+
+
 def redact_url(url: str) -> str:
     """Return *url* with its password and secret query values replaced by ``***``."""
     try:
+        unparsed = _unparsed_password(url)
+        if unparsed is not None:
+            before, _, after = unparsed
+            return redact_url(f"{before}{_REDACTED}{after}")
         parts = urlsplit(url)
         netloc = parts.netloc
         if "@" in netloc:
@@ -111,6 +138,11 @@ def secrets_of(url: str) -> list[str]:
     """The raw secret substrings of *url*, to scrub from driver error messages."""
     found: list[str] = []
     try:
+        unparsed = _unparsed_password(url)
+        if unparsed is not None:
+            password = unparsed[1]
+            found += [password, unquote(password), quote(password)]
+            url = f"{unparsed[0]}{_REDACTED}{unparsed[2]}"
         parts = urlsplit(url)
         if parts.password:
             found += [parts.password, unquote(parts.password), quote(parts.password)]
