@@ -21,6 +21,8 @@ Where each decision is made:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypedDict, Unpack
@@ -30,7 +32,7 @@ from ._errors import ConfigurationError, LeadershipLost, MultilockError
 from ._names import to_seconds
 from ._options import Duration, ElectionOptions
 from ._provider import Provider
-from ._types import Leadership
+from ._types import EventKind, Leadership
 
 __all__ = ["AcquireTimeout", "HolderFields", "Lock", "Semaphore", "SemaphoreSlot"]
 
@@ -112,6 +114,11 @@ async def acquire_one(
 ) -> int:
     """Start *elections* and return the index of the first to lead; stop all the others.
 
+    The elections start one at a time, in a random order (so that waiters spread over the
+    groups), each after the previous one's first campaign round has settled: a free group
+    is taken with one acquire, rather than every free group being won and all but one
+    released. Then it waits for whichever wins first, woken by the store's notifications.
+
     Raises `AcquireTimeout` (after stopping them all) when none leads by *deadline* (loop
     time). If the caller is cancelled, every election is stopped before the cancellation
     propagates (the stops run on in their own tasks).
@@ -119,19 +126,24 @@ async def acquire_one(
     loop = asyncio.get_running_loop()
     waits: dict[asyncio.Task[Leadership], int] = {}
     winner: int | None = None
+    order = list(range(len(elections)))
+    random.shuffle(order)
+    started: list[int] = []
     try:
-        for election in elections:
-            await election.start()
-        waits = {
-            loop.create_task(election.wait_until_leader()): index
-            for index, election in enumerate(elections)
-        }
+        for index in order:
+            election = elections[index]
+            await _first_round(election, deadline)
+            started.append(index)
+            if election.is_leader:
+                winner = index
+                return winner
+        waits = {loop.create_task(elections[i].wait_until_leader()): i for i in started}
         timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
         done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             if task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]  # (not None: checked)
-        leading = [i for i, election in enumerate(elections) if election.is_leader]
+        leading = [i for i in started if elections[i].is_leader]
         if leading:
             winner = leading[0]
         elif done:  # won and already lost again: take the term anyway, the guard sees it
@@ -142,8 +154,27 @@ async def acquire_one(
     finally:
         for task in waits:
             task.cancel()
-        others = [e for i, e in enumerate(elections) if i != winner]
-        await stop_all(others)
+        others = [elections[i] for i in started if i != winner]
+        if winner is None:
+            await stop_all(others)
+        else:  # the term is ours now: release any other slot won meanwhile in the background
+            _keep(loop.create_task(stop_all(others)))
+
+
+async def _first_round(election: LeaderElection, deadline: float | None) -> None:
+    """Start *election* and wait until its first campaign round has an answer (it won, or
+    it saw who holds the group), at most a retry interval or until *deadline*."""
+    stream = election.events(EventKind.ACQUIRED | EventKind.LEADER_CHANGED)
+    try:
+        await election.start()
+        bound = asyncio.get_running_loop().time() + election.options.retry_interval
+        if deadline is not None:
+            bound = min(bound, deadline)
+        with contextlib.suppress(TimeoutError, StopAsyncIteration):
+            async with asyncio.timeout_at(bound):
+                await anext(stream)
+    finally:
+        await stream.aclose()
 
 
 def _why_waiting(elections: Sequence[LeaderElection]) -> str:

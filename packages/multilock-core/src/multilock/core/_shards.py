@@ -13,8 +13,8 @@ Where each decision is made:
 - the share, ``ceil(count / live members)``: `_count_members`, every ``retry_interval``;
 - ownership: `_balance`, the only place shard elections start or stop. Under its share a
   participant campaigns for every shard it does not own (woken by the store when one
-  frees); at its share it stops campaigning; over it, it releases the surplus, which
-  wakes the campaigners elsewhere;
+  frees); at its share it stops campaigning; over it, it releases the surplus (its newest
+  terms first), which wakes the campaigners elsewhere;
 - work: `run_for_each`, one task per owned shard and term, cancelled when the term ends.
 """
 
@@ -296,7 +296,9 @@ class Shards:
             self._notify()
         owned = [i for i, e in self._elections.items() if e.is_leader]
         if len(owned) > share:
-            surplus = random.sample(owned, len(owned) - share)
+            # The newest terms go first: their work has barely started.
+            owned.sort(key=lambda i: _term_started(self._elections[i]), reverse=True)
+            surplus = owned[: len(owned) - share]
             self._drop(surplus)
             log.info("shards %s: releasing %d shard(s) over the share", self._name, len(surplus))
         elif len(owned) == share:
@@ -342,6 +344,11 @@ class Shards:
     def _require_entered(self, what: str) -> None:
         if not self._entered or self._closed:
             raise MultilockError(f"{what}: enter the Shards first (async with Shards(...))")
+
+
+def _term_started(election: LeaderElection) -> float:
+    term = election._term
+    return 0.0 if term is None else term.started
 
 
 def _bind(
