@@ -42,6 +42,7 @@ from ._calls import (
     raise_if_cancelled,
     sleep_until,
 )
+from ._contenders import contenders as _contenders
 from ._errors import ConfigurationError, MultilockError, ProviderError
 from ._events import EventHub, EventStream
 from ._observe import ElectionLog, Health, notify
@@ -447,6 +448,16 @@ class LeaderElection:
                 f"get_leader({self.group!r}) did not answer within "
                 f"{self._options.lease_duration:g} s"
             ) from None
+
+    async def contenders(self) -> tuple[str, ...]:
+        """Ask the store for the group's live candidates: their participant ids, the leader
+        first, then in the order they would lead (see `multilock.core.contenders`).
+
+        Raises `UnsupportedOperation` on a store that records only the leader (every
+        backend but ZooKeeper), and `ProviderError` when the store fails or does not answer
+        within ``lease_duration``, as `current_leader` does.
+        """
+        return await _contenders(self._provider, self.group, timeout=self._options.lease_duration)
 
     def events(self, kinds: EventKind = EventKind.ALL) -> EventStream:
         """Subscribe to this election's events; the stream ends when the election stops."""

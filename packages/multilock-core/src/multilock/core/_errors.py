@@ -5,6 +5,7 @@
      +-- ProviderError: a call to the store failed; the driver's error is ``__cause__``
                         (unless it held a secret); ``.reason`` says why, as a `FailureReason`
      +-- LeadershipLost: the term this code relied on has ended
+     +-- UnsupportedOperation (also a NotImplementedError): this store cannot do that
 
 A lost lease is never reported as a silent ``False`` to user code: ``Leadership.check()``
 raises `LeadershipLost`.
@@ -14,7 +15,13 @@ from __future__ import annotations
 
 from ._failures import FailureReason, classify
 
-__all__ = ["ConfigurationError", "LeadershipLost", "MultilockError", "ProviderError"]
+__all__ = [
+    "ConfigurationError",
+    "LeadershipLost",
+    "MultilockError",
+    "ProviderError",
+    "UnsupportedOperation",
+]
 
 
 class MultilockError(Exception):
@@ -50,3 +57,11 @@ class LeadershipLost(MultilockError):
         super().__init__(f"{reason} (group={group!r}, token={token})")
         self.group = group
         self.token = token
+
+
+class UnsupportedOperation(MultilockError, NotImplementedError):
+    """This store cannot do that: the message names the provider and why.
+
+    Raised by optional provider operations (`Provider.contenders`) on a store that keeps no
+    record they could be answered from; retrying never helps.
+    """

@@ -15,6 +15,8 @@ Rules every implementation keeps (``multilock.core.testing.check_provider`` prov
   instance nonce in the metadata and recognises its own terms by it.
 - ``renew`` and ``release`` compare both the participant id and the token.
 - ``get_leader`` reports only a live lease, never a stale or expired record.
+- ``contenders`` is optional: a store that records every candidate (ZooKeeper) lists
+  them, the leader first; the default raises `UnsupportedOperation`.
 - A failed call raises `ProviderError` with the driver's exception as ``__cause__``.
   Invalid names, durations, tokens or metadata raise `ConfigurationError`: the base class
   checks them before a subclass's method runs, so the subclass never checks them again.
@@ -28,13 +30,13 @@ from __future__ import annotations
 import abc
 import functools
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
 
 import attrs
 
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, UnsupportedOperation
 from ._names import _NAME, to_seconds, validate_metadata, validate_name
 from ._types import LeaderInfo
 
@@ -122,12 +124,12 @@ def _checked(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
             )
 
         wrapper = release
-    elif name == "get_leader":
+    elif name in ("get_leader", "contenders"):
 
-        async def get_leader(self: Provider, group: str) -> Any:
+        async def by_group(self: Provider, group: str) -> Any:
             return await method(self, _name(group, "group"))
 
-        wrapper = get_leader
+        wrapper = by_group
     else:
 
         def watch(self: Provider, group: str) -> AsyncIterator[None] | None:
@@ -149,7 +151,8 @@ class Provider(abc.ABC):
     """Base class of every backend. Durations are float seconds.
 
     Subclasses get their arguments checked at the boundary: every ``try_acquire``,
-    ``renew``, ``release``, ``get_leader`` and ``watch`` they define is wrapped so that
+    ``renew``, ``release``, ``get_leader``, ``contenders`` and ``watch`` they define is
+    wrapped so that
     invalid group names, participant ids, tokens, durations and metadata raise
     `ConfigurationError` before the store is touched, and the method receives float
     seconds and a plain metadata dict it may keep.
@@ -157,7 +160,7 @@ class Provider(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        for name in ("try_acquire", "renew", "release", "get_leader", "watch"):
+        for name in ("try_acquire", "renew", "release", "get_leader", "contenders", "watch"):
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "__multilock_checked__", False):
                 setattr(cls, name, _checked(name, method))
@@ -194,6 +197,21 @@ class Provider(abc.ABC):
     @abc.abstractmethod
     async def get_leader(self, group: str) -> LeaderInfo | None:
         """Return the holder of the live lease, or None."""
+
+    async def contenders(self, group: str) -> Sequence[str]:
+        """Return the participant ids of the group's live candidates, the leader first, then
+        in the order they would lead; empty when nobody campaigns.
+
+        Optional: only a store that records every candidate, not just the leader, can
+        answer, and a provider declares it can by overriding this method. The default raises
+        `UnsupportedOperation` naming the provider and why.
+        """
+        _name(group, "group")  # an invalid name is a ConfigurationError here too
+        raise UnsupportedOperation(
+            f"{type(self).__name__} cannot list the contenders of group {group!r}: its store "
+            "records only the leader, not the candidates waiting behind it (contenders are "
+            "listed on ZooKeeper, where every candidate holds a node)"
+        )
 
     def watch(self, group: str) -> AsyncIterator[None] | None:
         """Return an iterator that yields whenever the group's leader may have changed.

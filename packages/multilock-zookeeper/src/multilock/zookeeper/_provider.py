@@ -10,7 +10,8 @@ belong to this provider, keyed (group, participant). A node lives while its sess
 (``try_acquire``/``renew``) once per lease, or waits behind the leader with its group
 watched here: a timer on the event loop deletes it otherwise. SUSPENDED ends a term at
 once. A create whose reply was lost is found by its prefix; a cancelled ``try_acquire``
-settles, then deletes a node it made. One kazoo client and session per provider, called
+settles, then deletes a node it made. ``contenders`` lists the candidate nodes in line,
+each read for its participant id. One kazoo client and session per provider, called
 through kazoo's asynchronous API from the loop; only connect and close block, in a thread.
 """
 
@@ -21,7 +22,7 @@ import contextlib
 import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -330,6 +331,17 @@ class ZooKeeperProvider(Provider):
             if got is not None:  # else gone since the listing: the next one leads
                 return decode(seq, got[0], got[1].mtime)
         return None
+
+    async def contenders(self, group: str) -> Sequence[str]:
+        return await self._calls.call("contenders", self._contenders(group))
+
+    async def _contenders(self, group: str) -> tuple[str, ...]:
+        """Read every candidate node, pipelined, in line: the lowest sequence number first."""
+        client = await self._connect()
+        line = ordered(await self._kz(client.get_children_async(self._path(group)), []))
+        reads = [self._kz(client.get_async(self._path(group, name)), None) for _, name in line]
+        records = await asyncio.gather(*reads)  # None: gone since the listing, not a candidate
+        return tuple(json.loads(got[0])["participant_id"] for got in records if got is not None)
 
     def watch(self, group: str) -> AsyncIterator[None]:
         return self._views.watch(group, self._connect)

@@ -14,12 +14,12 @@ import contextlib
 import inspect
 import itertools
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, UnsupportedOperation
 from .._provider import Provider
 from .._types import LeaderInfo
 
@@ -108,6 +108,7 @@ async def check_invalid_names_rejected(ctx: _Ctx) -> None:
             ("release(group)", p.release(bad, "p1", 1)),
             ("release(participant_id)", p.release(good, bad, 1)),
             ("get_leader(group)", p.get_leader(bad)),
+            ("contenders(group)", p.contenders(bad)),
         ]
         for name, call in calls:
             try:
@@ -176,6 +177,34 @@ async def check_live_term_is_never_shared(ctx: _Ctx) -> None:
         "the holder could not renew its term after the refused attempts",
     )
     await p.release(group, "p1", first.token)
+
+
+async def check_contenders_start_with_the_leader(ctx: _Ctx) -> None:
+    """``contenders`` raises `UnsupportedOperation`, or lists the leader first."""
+    p, q = await ctx.provider(), await ctx.provider()
+    group = ctx.group()
+    try:
+        empty = await q.contenders(group)
+    except UnsupportedOperation:
+        return  # the store records only the leader: nothing more to check
+    _expect(_is_names(empty) and len(empty) == 0, f"a fresh group has contenders {empty!r}")
+    info = await p.try_acquire(group, "p1", ctx.lease * 4, {})
+    assert info is not None, "try_acquire on a free group failed"
+    _expect(await q.try_acquire(group, "p2", ctx.lease * 4, {}) is None, "p2 stole the lease")
+    names = await q.contenders(group)
+    _expect(
+        _is_names(names) and list(names[:1]) == ["p1"],
+        f"contenders gave {names!r}: not a sequence of participant ids led by the leader p1",
+    )
+    await p.release(group, "p1", info.token)
+
+
+def _is_names(value: object) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(name, str) for name in value)
+    )
 
 
 async def check_renew_extends(ctx: _Ctx) -> None:
@@ -471,6 +500,7 @@ PROVIDER_CHECKS: dict[str, Callable[[_Ctx], Awaitable[None]]] = {
         check_invalid_names_rejected,
         check_one_winner_among_concurrent,
         check_live_term_is_never_shared,
+        check_contenders_start_with_the_leader,
         check_renew_extends,
         check_renew_requires_owner_and_token,
         check_release_frees_at_once,

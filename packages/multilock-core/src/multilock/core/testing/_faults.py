@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from .._errors import ProviderError
 from .._provider import LeaseBounds, Provider
@@ -25,7 +25,7 @@ class Fault(enum.Enum):
     REFUSE = "refuse"
 
 
-_METHODS = frozenset({"try_acquire", "renew", "release", "get_leader", "watch"})
+_METHODS = frozenset({"try_acquire", "renew", "release", "get_leader", "watch", "contenders"})
 
 
 class FaultyProvider(Provider):
@@ -88,6 +88,11 @@ class FaultyProvider(Provider):
         if await self._gate("get_leader") is Fault.REFUSE:
             return None
         return await self.inner.get_leader(group)
+
+    async def contenders(self, group: str) -> Sequence[str]:
+        if await self._gate("contenders") is Fault.REFUSE:
+            return ()
+        return await self.inner.contenders(group)
 
     @property
     def notify_delay(self) -> float:
