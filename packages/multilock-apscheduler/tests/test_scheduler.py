@@ -242,6 +242,12 @@ def test_bad_arguments_are_refused_at_once() -> None:
         )
     with pytest.raises(ConfigurationError, match="lease_duration"):
         LeaderScheduler(AsyncIOScheduler(), InMemoryProvider(), lease_duration=-1)
+    with pytest.raises(ConfigurationError, match="unknown election option"):
+        LeaderScheduler(AsyncIOScheduler(), InMemoryProvider(), lease=10)  # type: ignore[call-arg]
+    with pytest.raises(ConfigurationError, match="Provider or a URL, not dict"):
+        LeaderScheduler(AsyncIOScheduler(), {"url": "redis://"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="options must be an ElectionOptions"):
+        LeaderScheduler(AsyncIOScheduler(), InMemoryProvider(), {"group": GROUP})  # type: ignore[arg-type]
 
     async def started(clock: FakeClock, store: InMemoryProvider) -> None:
         scheduler = AsyncIOScheduler()

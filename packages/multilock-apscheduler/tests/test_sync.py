@@ -26,7 +26,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import STATE_PAUSED, STATE_RUNNING, STATE_STOPPED
 
 from multilock.apscheduler.sync import LeaderScheduler
-from multilock.core import ElectionState, InMemoryProvider
+from multilock.core import ConfigurationError, ElectionOptions, ElectionState, InMemoryProvider
 from multilock.core.sync import LeaderElection
 from multilock.core.testing import FakeClock
 
@@ -219,3 +219,15 @@ def test_a_started_scheduler_is_refused(store: InMemoryProvider) -> None:
             LeaderScheduler(scheduler, store)
     finally:
         scheduler.shutdown()
+
+
+def test_bad_arguments_are_refused_at_once(store: InMemoryProvider) -> None:
+    """The same checks as the asyncio LeaderScheduler's, before any thread starts."""
+    with pytest.raises(TypeError, match=r"APScheduler 3\.x scheduler"):
+        LeaderScheduler(object(), store)
+    with pytest.raises(ConfigurationError, match="Provider or a URL, not int"):
+        LeaderScheduler(BackgroundScheduler(), 42)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="not both"):
+        LeaderScheduler(BackgroundScheduler(), store, ElectionOptions(group=GROUP), group=GROUP)
+    with pytest.raises(ConfigurationError, match="unknown election option"):
+        LeaderScheduler(BackgroundScheduler(), store, lease=10)  # type: ignore[call-arg]

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+import multilock.cli._run as run_module
 from multilock.cli import run_command
-from multilock.core import ConfigurationError, LeaderElection, MultilockError, from_url
+from multilock.cli._watchdog import Watchdog
+from multilock.core import (
+    ConfigurationError,
+    ElectionObserver,
+    LeaderElection,
+    MultilockError,
+    Provider,
+    add_observer,
+    from_url,
+    remove_observer,
+)
 
 #: Real seconds a run may take; a bound, never a sleep.
 WAIT = 30.0
@@ -66,3 +80,116 @@ async def test_a_command_that_cannot_run_raises_and_releases(url: str, tmp_path:
         with pytest.raises((ConfigurationError, MultilockError), match="cannot execute"):
             await run_command(provider, [str(script)], group="jobs")
         assert await provider.get_leader("jobs") is None
+
+
+async def until(condition: Callable[[], bool], what: str, within: float = WAIT) -> None:
+    """Poll *condition* until it holds; fail after *within* real seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not {what} within {within} s")
+        await asyncio.sleep(0.01)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited and been reaped (a zombie is not gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture
+def watchdogs(monkeypatch: pytest.MonkeyPatch) -> list[Watchdog]:
+    """The watchdogs run_command starts, as they start."""
+    started: list[Watchdog] = []
+
+    class Recorded(Watchdog):
+        async def __aenter__(self) -> Recorded:
+            await super().__aenter__()
+            started.append(self)
+            return self
+
+    monkeypatch.setattr(run_module, "Watchdog", Recorded)
+    return started
+
+
+async def cancel(run: asyncio.Future[int]) -> None:
+    """Cancel *run* from outside, as a caller's timeout or TaskGroup would; it ends cancelled."""
+    run.cancel()
+    await asyncio.wait({run}, timeout=WAIT)
+    assert run.cancelled(), run
+
+
+async def acquired_at_once(provider: Provider) -> None:
+    """Another participant leads at once: the lease was released, not left to expire."""
+    assert await provider.get_leader("jobs") is None
+    async with LeaderElection(provider, group="jobs", lease_duration=30) as other:
+        await other.wait_until_leader(timeout=5)  # far below the 30 s lease
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="process groups are POSIX")
+async def test_cancelled_while_the_command_runs(
+    url: str, tmp_path: Path, watchdogs: list[Watchdog]
+) -> None:
+    pid_file = tmp_path / "pid"
+    code = (
+        "import os, sys, time; tmp = sys.argv[1] + '.tmp'; open(tmp, 'w').write(str(os.getpid()));"
+        " os.rename(tmp, sys.argv[1]); time.sleep(600)"
+    )
+    argv = [sys.executable, "-c", code, str(pid_file)]
+    async with from_url(url) as provider:
+        run = asyncio.ensure_future(run_command(provider, argv, group="jobs", lease_duration=30))
+        await until(pid_file.exists, "started")
+        pid = int(pid_file.read_text())
+        (watchdog,) = watchdogs
+        watchdog_pid = watchdog.pid
+        assert watchdog_pid is not None
+        assert not gone(pid)
+        assert not gone(watchdog_pid)
+        leader = await provider.get_leader("jobs")
+        assert leader is not None
+
+        await cancel(run)
+        await until(lambda: gone(pid), "the command gone")
+        await until(lambda: gone(watchdog_pid), "the watchdog gone")
+        await acquired_at_once(provider)
+
+
+class Started(ElectionObserver):
+    """Records the participant ids of the elections that start."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def started(self, election: LeaderElection) -> None:
+        self.ids.append(election.participant_id)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="process groups are POSIX")
+async def test_cancelled_while_waiting_for_the_term(url: str, watchdogs: list[Watchdog]) -> None:
+    async with from_url(url) as provider:
+        other = LeaderElection(provider, group="jobs", participant_id="other")
+        await other.start()
+        await other.wait_until_leader(timeout=WAIT)
+        campaigning = Started()
+        add_observer(campaigning)
+        try:
+            run = asyncio.ensure_future(
+                run_command(provider, ["true"], group="jobs", participant_id="me")
+            )
+            await until(lambda: "me" in campaigning.ids, "campaigning")
+        finally:
+            remove_observer(campaigning)
+        (watchdog,) = watchdogs  # started before campaigning
+        watchdog_pid = watchdog.pid
+        assert watchdog_pid is not None
+        assert not gone(watchdog_pid)
+        await cancel(run)
+        await until(lambda: gone(watchdog_pid), "the watchdog gone")
+        info = await provider.get_leader("jobs")
+        assert info is not None
+        assert info.participant_id == "other"  # untouched
+        await other.stop()
+        await acquired_at_once(provider)

@@ -5,6 +5,10 @@ Each test drives the election in virtual time and fails on the core before the r
 
 import asyncio
 import contextlib
+import os
+import signal
+
+import pytest
 
 from multilock.core import (
     ElectionState,
@@ -12,6 +16,8 @@ from multilock.core import (
     InMemoryProvider,
     LeaderElection,
     ProviderError,
+    probe,
+    stop_on_signals,
 )
 from multilock.core.testing import FakeClock, Fault, FaultyProvider
 
@@ -270,5 +276,119 @@ def test_a_release_never_overtakes_its_terms_renew_in_flight():
         assert log[-3:] == ["renew sent", "renew answered", "release sent"]
         assert await store.get_leader("g") is None
         await a.stop()
+
+    run(body)
+
+
+# ---------------------------------------------------------------- a caller cancelled
+# Each test cancels the caller at an await point and checks what is left: the state, the
+# tasks, the signal handlers, the lease.
+
+
+def others() -> set[asyncio.Task]:
+    """The loop's tasks but the test's own."""
+    return asyncio.all_tasks() - {asyncio.current_task()}
+
+
+async def until(condition, within: float = LEASE) -> None:
+    """Wait for *condition*, at most *within* seconds (virtual)."""
+    async with asyncio.timeout(within):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def cancelled(task: asyncio.Task) -> float:
+    """Cancel *task*, wait for it to end cancelled; return the (virtual) seconds it took."""
+    loop = asyncio.get_running_loop()
+    asked = loop.time()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    return loop.time() - asked
+
+
+def test_start_cancelled_mid_probe_leaves_the_election_idle_and_startable():
+    async def body(clock, store):
+        slow = SlowToCancel(store)
+        slow.slow.add("get_leader")
+        a = election(slow, "a", probe_timeout=LEASE)
+        starting = asyncio.ensure_future(a.start())
+        await asyncio.sleep(1)  # in the probe
+        assert not starting.done()
+        assert await cancelled(starting) < 0.01, "held by the driver's slow cancel"
+        assert a.state is ElectionState.IDLE
+        assert not a.is_leader
+        assert not [t for t in others() if t.get_name().startswith("multilock-")]
+        await a.stop()  # stoppable: a no-op
+        assert a.state is ElectionState.IDLE
+
+        await asyncio.sleep(slow.settle + 1)  # the abandoned get_leader settles
+        assert not others(), "a task was left behind"
+        slow.slow.clear()
+        await a.start()  # starts again, probe and all
+        assert (await leads(a, LEASE)).token == 1
+        await a.stop()
+        assert a.state is ElectionState.STOPPED
+        assert await store.get_leader("g") is None
+
+    run(body)
+
+
+def test_probe_cancelled_leaves_no_task_behind():
+    async def body(clock, store):
+        hung = FaultyProvider(store)
+        hung.inject(Fault.HANG, "get_leader")
+        probing = asyncio.ensure_future(probe(hung, "g", timeout=LEASE))
+        await asyncio.sleep(1)
+        assert await cancelled(probing) < 0.01
+        await asyncio.sleep(0)  # the abandoned call's cancel is delivered
+        assert not others(), "a task was left behind"
+
+        slow = SlowToCancel(store)
+        slow.slow.add("get_leader")
+        probing = asyncio.ensure_future(probe(slow, "g", timeout=LEASE))
+        await asyncio.sleep(1)
+        assert await cancelled(probing) < 0.01, "held by the driver's slow cancel"
+        await asyncio.sleep(slow.settle + 1)  # the abandoned call settles
+        assert not others(), "a task was left behind"
+
+    run(body)
+
+
+def test_stop_on_signals_exit_cancelled_restores_the_handlers_and_the_election_stops():
+    async def body(clock, store):
+        slow = SlowToCancel(store)
+        a = election(slow, "a")
+        before = signal.getsignal(signal.SIGUSR1)
+        scope = stop_on_signals(signals=[signal.SIGUSR1])
+
+        async def program():
+            async with scope:
+                await a.start()
+                await a.wait_until_leader()
+                slow.slow.add("release")  # stopping will take a while
+                os.kill(os.getpid(), signal.SIGUSR1)
+                await until(lambda: a.state is ElectionState.STOPPING)
+                # The body ends on its own: leaving waits for the elections to stop.
+
+        main = asyncio.ensure_future(program())
+        await until(lambda: a.state is ElectionState.STOPPING)
+        await asyncio.sleep(0.1)  # main is in __aexit__, waiting for the stop
+        assert not main.done()
+        assert await cancelled(main) < 0.01
+        assert scope.received is signal.SIGUSR1
+        assert signal.getsignal(signal.SIGUSR1) == before, "the handler was not restored"
+        assert a.state is ElectionState.STOPPING  # the stop goes on without the caller
+        async with asyncio.timeout(a.options.renew_interval + 0.01):
+            await a.stop()  # stoppable: waits for the shutdown in progress, bounded
+        assert a.state is ElectionState.STOPPED
+        assert not a.is_leader
+        slow.slow.clear()
+        clock.advance(LEASE)  # the release was given up on: the lease expires
+        assert await store.get_leader("g") is None
+        b = election(store, "b")
+        await b.start()
+        await leads(b, 0.01)
+        await b.stop()
 
     run(body)

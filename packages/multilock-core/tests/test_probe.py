@@ -300,6 +300,59 @@ def test_an_unanswered_probe_times_out_with_its_timeout_in_the_message() -> None
     clock.run(main)
 
 
+class SlowToCancel(FaultyProvider):
+    """A store whose ``get_leader`` hangs, then takes *settle* seconds to honour a cancel
+    (psycopg cancelling the query on the server, a worker thread at its socket timeout)."""
+
+    def __init__(self, inner: Provider, settle: float = 300.0) -> None:
+        super().__init__(inner)
+        self.settle = settle
+        self.settled = 0
+
+    async def get_leader(self, group: str) -> LeaderInfo | None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.shield(asyncio.sleep(self.settle))
+            self.settled += 1
+            raise
+        raise AssertionError("unreachable")
+
+
+def test_a_driver_slow_to_cancel_does_not_hold_the_probe_past_its_timeout() -> None:
+    clock = FakeClock()
+
+    async def main() -> None:
+        slow = SlowToCancel(InMemoryProvider(clock=clock.monotonic), settle=300)
+        start = clock.now
+        with pytest.raises(ProviderError) as info:
+            await probe(slow, "g", timeout=3)
+        assert clock.now - start == pytest.approx(3), "the probe waited for the driver"
+        assert info.value.reason is FailureReason.TIMEOUT
+        assert str(info.value).startswith("the store did not answer within 3 s"), info.value
+        assert info.value.__context__ is None
+        assert slow.settled == 0  # given up on, still settling
+
+        election = LeaderElection(slow, group="g", probe_timeout=timedelta(seconds=2))
+        start = clock.now
+        with pytest.raises(ProviderError, match="did not answer within 2 s"):
+            await election.start()
+        assert clock.now - start == pytest.approx(2)
+        assert election.state is ElectionState.IDLE
+
+        await asyncio.sleep(slow.settle + 1)  # the abandoned calls settle in the background
+        assert slow.settled == 2
+
+    clock.run(main)
+
+
+async def test_a_timeout_of_the_drivers_own_is_not_reported_as_the_probes() -> None:
+    error = await probe_failure(TimeoutError("read timed out"))
+    assert error.reason is FailureReason.TIMEOUT
+    assert str(error).startswith("the store did not answer in time"), error
+    assert str(error).endswith(": read timed out"), error
+
+
 async def test_probe_returns_the_leader_without_the_private_nonce() -> None:
     store = InMemoryProvider()
     assert await probe(store, "g") is None

@@ -1,4 +1,5 @@
-"""What the asyncio and the threaded `LeaderScheduler` share: checking and switching a scheduler.
+"""What the asyncio and the threaded `LeaderScheduler` share: their argument checks, and
+switching a scheduler.
 
 Both switch an APScheduler 3.x scheduler with its public ``pause()`` / ``resume()`` /
 ``shutdown()``, so any scheduler class works; ``pause()`` and ``resume()`` are thread-safe
@@ -9,6 +10,7 @@ read as well, to let a pass over due jobs already under way end (`_finish_pass`)
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from apscheduler.schedulers.base import (  # type: ignore[import-untyped]
@@ -17,18 +19,26 @@ from apscheduler.schedulers.base import (  # type: ignore[import-untyped]
     BaseScheduler,
 )
 
-from multilock.core import ConfigurationError, ElectionOptions, LeadershipEvent
+from multilock.core import ConfigurationError, ElectionOptions, LeadershipEvent, Provider
 
-__all__ = ["check_scheduler", "election_options", "pause", "resume"]
+__all__ = ["check_arguments", "pause", "resume"]
 
 log = logging.getLogger(__name__)
 
 
-def check_scheduler(scheduler: Any) -> None:
-    """Refuse what is not an APScheduler 3.x scheduler, or one that already runs jobs.
+def check_arguments(
+    scheduler: Any,
+    provider: object,
+    options: ElectionOptions | None,
+    fields: Mapping[str, Any],
+) -> ElectionOptions:
+    """Check the arguments of either `LeaderScheduler` at once; return the election options.
 
-    The scheduler must not be started: `LeaderScheduler` starts it paused, so that no job
-    runs before this replica is elected.
+    *scheduler* must be an APScheduler 3.x scheduler that is not started yet: it is started
+    paused, so that no job runs before this replica is elected. *provider* must be a
+    `multilock.core.Provider` or a URL. The election options (an `ElectionOptions`, or its
+    *fields* as keywords, not both) are validated now, as `LeaderElection` would: a
+    mistake fails where the scheduler is built, not when it is entered.
     """
     if not isinstance(scheduler, BaseScheduler):
         raise TypeError(
@@ -40,16 +50,20 @@ def check_scheduler(scheduler: Any) -> None:
             "the scheduler is already started: give LeaderScheduler a scheduler that is not, "
             "it starts it paused and resumes it only while this replica leads"
         )
-
-
-def election_options(options: ElectionOptions | None, fields: dict[str, Any]) -> ElectionOptions:
-    """Validate the election options now, as `multilock.core.LeaderElection` would."""
+    if not isinstance(provider, Provider | str):
+        raise ConfigurationError(
+            f"provider must be a multilock Provider or a URL, not {type(provider).__name__}"
+        )
     if options is None:
         return ElectionOptions.from_fields(fields)
     if fields:
         raise ConfigurationError(
             "pass either an ElectionOptions or its fields as keywords, not both "
             f"(got options and {', '.join(sorted(fields))})"
+        )
+    if not isinstance(options, ElectionOptions):
+        raise ConfigurationError(
+            f"options must be an ElectionOptions, not {type(options).__name__}"
         )
     return options
 

@@ -27,9 +27,10 @@ import asyncio
 import contextlib
 import logging
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 from multilock.core import (
+    ElectionFields,
     ElectionOptions,
     EventKind,
     EventStream,
@@ -40,7 +41,7 @@ from multilock.core import (
     on_transition,
 )
 
-from ._common import check_scheduler, election_options, pause, resume
+from ._common import check_arguments, pause, resume
 
 __all__ = ["LeaderScheduler"]
 
@@ -54,7 +55,7 @@ class LeaderScheduler:
     ``AsyncIOScheduler``. *provider* is a `multilock.core.Provider` (never closed here) or
     a URL for `multilock.core.from_url` (the provider is built on entry and closed on
     exit). Pass an `ElectionOptions` or its fields as keywords (``group=``,
-    ``lease_duration=``...), not both::
+    ``lease_duration=``..., typed by `multilock.core.ElectionFields`), not both::
 
         scheduler = AsyncIOScheduler()
         scheduler.add_job(report, "cron", hour=3)
@@ -63,7 +64,9 @@ class LeaderScheduler:
 
     Entering starts the scheduler paused, then the election; leaving shuts the scheduler
     down (no new job starts from then on), then stops the election, which releases the
-    lease so another replica takes over at once. One use only.
+    lease so another replica takes over at once. An exit that is cancelled (a shutdown
+    timeout) ends at once, with the scheduler shut down; the election's stop and the
+    provider's close go on in the background, in that order. One use only.
     """
 
     def __init__(
@@ -71,12 +74,11 @@ class LeaderScheduler:
         scheduler: Any,
         provider: Provider | str,
         options: ElectionOptions | None = None,
-        **option_fields: Any,
+        **option_fields: Unpack[ElectionFields],
     ) -> None:
-        check_scheduler(scheduler)
+        self._options = check_arguments(scheduler, provider, options, option_fields)
         self._scheduler = scheduler
         self._provider = provider
-        self._options = election_options(options, option_fields)
         self._election: LeaderElection | None = None
         self._stack: contextlib.AsyncExitStack | None = None
 
@@ -124,13 +126,18 @@ class LeaderScheduler:
             raise RuntimeError("a LeaderScheduler can be entered only once")
         async with contextlib.AsyncExitStack() as stack:
             # Callbacks run in reverse on exit: stop following, shut the scheduler down,
-            # stop the election (release), close the provider.
+            # stop the election (release), then close the provider.
             provider = self._provider
+            closing = None
             if isinstance(provider, str):
-                provider = from_url(provider)
-                stack.push_async_callback(provider.aclose)
-            election = self._election = LeaderElection(provider, self._options)
-            stack.push_async_exit(election)
+                provider = closing = from_url(provider)
+            try:
+                election = self._election = LeaderElection(provider, self._options)
+            except BaseException:
+                if closing is not None:
+                    await closing.aclose()
+                raise
+            stack.push_async_callback(_stop_then_close, election, closing)
             self._scheduler.start(paused=True)
             stack.push_async_callback(self._shut_down)
             stream = election.events(EventKind.ACQUIRED | EventKind.LOST)
@@ -170,6 +177,50 @@ class LeaderScheduler:
         scheduler.shutdown(wait=False)  # wait=True would block the event loop
         # AsyncIOScheduler shuts down in a loop callback: let it run before the release.
         await asyncio.sleep(0)
+
+
+#: Exits whose caller was cancelled, finishing in the background (held until done).
+_FINISHING: set[asyncio.Task[None]] = set()
+
+
+async def _stop_then_close(election: LeaderElection, provider: Provider | None) -> None:
+    """Stop the election (releasing the lease), then close *provider* (None: not ours).
+
+    In a task of its own, shielded: an exit that is cancelled (a shutdown timeout) ends at
+    once, as `LeaderElection.stop` does, while the stop and the close go on in the
+    background, in that order. Closing the provider as the exit unwinds would close it
+    under the release, and leave the lease to expire.
+    """
+    finishing = asyncio.get_running_loop().create_task(
+        _stop_and_close(election, provider), name=f"multilock-apscheduler-stop-{election.group}"
+    )
+    try:
+        await asyncio.shield(finishing)
+    except asyncio.CancelledError:
+        if not finishing.done():
+            log.warning(
+                "leaving the LeaderScheduler of %s was cancelled: the election stops in the "
+                "background",
+                election.group,
+            )
+            _FINISHING.add(finishing)
+            finishing.add_done_callback(_finished)
+        raise
+
+
+async def _stop_and_close(election: LeaderElection, provider: Provider | None) -> None:
+    try:
+        await election.stop()
+    finally:
+        if provider is not None:
+            await provider.aclose()
+
+
+def _finished(task: asyncio.Task[None]) -> None:
+    """An exit that finished in the background: nobody awaits it, so log its error."""
+    _FINISHING.discard(task)
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("stopping the election failed", exc_info=error)
 
 
 async def _stop_following(follower: asyncio.Task[None], stream: EventStream) -> None:

@@ -18,12 +18,12 @@ import contextlib
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
-from multilock.core import ElectionOptions, EventKind, Leadership, Provider
+from multilock.core import ElectionFields, ElectionOptions, EventKind, Leadership, Provider
 from multilock.core.sync import EventIterator, LeaderElection
 
-from ._common import check_scheduler, election_options, pause, resume
+from ._common import check_arguments, pause, resume
 
 __all__ = ["LeaderScheduler"]
 
@@ -37,7 +37,8 @@ class LeaderScheduler:
     *scheduler* is an APScheduler 3.x scheduler that is not started yet, normally a
     ``BackgroundScheduler``. *provider* is a `multilock.core.Provider` (never closed here)
     or a URL (the provider is built and, on exit, closed by the election). Pass an
-    `ElectionOptions` or its fields as keywords, not both; *loop_factory* is passed to
+    `ElectionOptions` or its fields as keywords (typed by `multilock.core.ElectionFields`),
+    not both; *loop_factory* is passed to
     `multilock.core.sync.LeaderElection`::
 
         scheduler = BackgroundScheduler()
@@ -57,12 +58,11 @@ class LeaderScheduler:
         *,
         wait_for_jobs: bool = True,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
-        **option_fields: Any,
+        **option_fields: Unpack[ElectionFields],
     ) -> None:
-        check_scheduler(scheduler)
+        self._options = check_arguments(scheduler, provider, options, option_fields)
         self._scheduler = scheduler
         self._provider = provider
-        self._options = election_options(options, option_fields)
         self._wait_for_jobs = wait_for_jobs
         self._loop_factory = loop_factory
         self._election: LeaderElection | None = None

@@ -13,7 +13,9 @@ import asyncio
 import logging
 import re
 from datetime import timedelta
+from typing import Any
 
+from ._calls import call_until
 from ._errors import ConfigurationError, MultilockError, ProviderError
 from ._failures import FailureReason, chain, classify, endpoint, host_name
 from ._names import to_seconds, validate_name
@@ -48,21 +50,32 @@ async def probe(
     """
     validate_name(group, "group")
     seconds = to_seconds(timeout, "timeout")
-    window = asyncio.timeout(seconds)
+    deadline = asyncio.get_running_loop().time() + seconds
+    # Bounded by `call_until`, not `asyncio.timeout`: a driver slow to honour the cancel
+    # (psycopg cancelling on the server, a worker thread) must not hold the probe past
+    # its timeout. The call settles in the background, as the election's own calls do.
+    call = asyncio.ensure_future(provider.get_leader(group))
     error: ProviderError | None
     try:
-        async with window:
-            info = await provider.get_leader(group)
+        info = await call_until(call, deadline)
     except ConfigurationError:
         raise
     except Exception as exc:
-        error = probe_error(exc, seconds if window.expired() else None)
+        # Our deadline passed (not a TimeoutError of the driver's own): say how long the
+        # store was given, and nothing of call_until's wording.
+        gave_up = isinstance(exc, TimeoutError) and not _raised_by(call, exc)
+        error = probe_error(TimeoutError(), seconds) if gave_up else probe_error(exc)
     else:
         error = None
     if error is not None:
         raise error  # outside the handler: nothing of the driver's travels on with it
     log.debug("probe of %r: the store answered; leader %r", group, info)
     return public_info(info)
+
+
+def _raised_by(call: asyncio.Future[Any], exc: BaseException) -> bool:
+    """Whether *call* itself ended with *exc* (rather than being given up on)."""
+    return call.done() and not call.cancelled() and call.exception() is exc
 
 
 def probe_error(exc: BaseException, timed_out: float | None = None) -> ProviderError:

@@ -82,7 +82,10 @@ def leader_lifespan(
     On shutdown, in reverse: stop the election (leader work cancelled, lease released),
     wait for the background tasks, close the provider (by default only one built here
     from a URL; ``close_provider=True`` closes a given one too, ``False`` never), then
-    exit the app's own lifespan.
+    exit the app's own lifespan. A shutdown that is cancelled (a server's or a test
+    harness's timeout) ends at once, as `LeaderElection.stop` does: the stop and the
+    provider's close go on in the background, in that order, so the lease is still
+    released; the app's own lifespan is exited at once.
 
     Everything is checked here, when the app is built, so a mistake fails at import
     rather than at the first deploy: `ConfigurationError` names the bad argument.
@@ -124,11 +127,15 @@ def leader_lifespan(
             provider = (
                 from_url(provider_or_url) if isinstance(provider_or_url, str) else provider_or_url
             )
-            if owns_provider:
-                stack.push_async_callback(provider.aclose)
-            election = LeaderElection(provider, **fields)
+            closing = provider if owns_provider else None
+            try:
+                election = LeaderElection(provider, **fields)
+            except BaseException:
+                if closing is not None:
+                    await closing.aclose()
+                raise
             tasks: list[asyncio.Task[None]] = []
-            stack.push_async_callback(_shutdown, election, tasks)
+            stack.push_async_callback(_shutdown, election, tasks, closing)
             if on_acquired is not None or on_lost is not None:
                 # Subscribed before start(), so the first ACQUIRED cannot be missed.
                 stream = election.events(EventKind.ACQUIRED | EventKind.LOST)
@@ -164,16 +171,58 @@ async def _run_while_leader(election: LeaderElection, run: LeaderWork) -> None:
             log.info("leader work of %s will start again in the next term", election.group)
 
 
-async def _shutdown(election: LeaderElection, tasks: list[asyncio.Task[None]]) -> None:
-    """Stop the election, then wait for the tasks that end with it."""
+#: Shutdowns whose caller was cancelled, finishing in the background (held until done).
+_FINISHING: set[asyncio.Task[None]] = set()
+
+
+async def _shutdown(
+    election: LeaderElection, tasks: list[asyncio.Task[None]], provider: Provider | None
+) -> None:
+    """Stop the election, wait for the tasks that end with it, then close *provider*.
+
+    In a task of its own, shielded: a cancelled shutdown (a server's or a test harness's
+    timeout) returns at once, as `LeaderElection.stop` does, while the stop goes on in the
+    background and closes the provider only once it is over. Closing the provider as the
+    exit stack unwinds would close it under the release, and leave the lease to expire.
+    """
+    finishing = asyncio.get_running_loop().create_task(
+        _stop_then_close(election, tasks, provider), name=f"multilock-shutdown-{election.group}"
+    )
     try:
-        await election.stop()
+        await asyncio.shield(finishing)
+    except asyncio.CancelledError:
+        if not finishing.done():
+            log.warning(
+                "the shutdown of %s was cancelled: the election stops in the background",
+                election.group,
+            )
+            _FINISHING.add(finishing)
+            finishing.add_done_callback(_finished)
+        raise
+
+
+async def _stop_then_close(
+    election: LeaderElection, tasks: list[asyncio.Task[None]], provider: Provider | None
+) -> None:
+    try:
+        try:
+            await election.stop()
+        finally:
+            for task in tasks:
+                if not task.done() and election.state is not ElectionState.STOPPED:
+                    task.cancel()  # stop() failed: the tasks would not end by themselves
+            if tasks:
+                await asyncio.wait(tasks)
     finally:
-        for task in tasks:
-            if not task.done() and election.state is not ElectionState.STOPPED:
-                task.cancel()  # stop() failed: the tasks would not end by themselves
-        if tasks:
-            await asyncio.wait(tasks)
+        if provider is not None:
+            await provider.aclose()
+
+
+def _finished(task: asyncio.Task[None]) -> None:
+    """A shutdown that finished in the background: nobody awaits it, so log its error."""
+    _FINISHING.discard(task)
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("the shutdown of the election failed", exc_info=error)
 
 
 def _logged(callback: EventCallback | None, name: str) -> EventCallback | None:
