@@ -132,8 +132,8 @@ async def acquire_one(
     try:
         for index in order:
             election = elections[index]
+            started.append(index)  # before the await: a cancellation in it stops this one too
             await _first_round(election, deadline)
-            started.append(index)
             if election.is_leader:
                 winner = index
                 return winner
