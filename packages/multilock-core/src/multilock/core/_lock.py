@@ -10,12 +10,12 @@ cancelled.
 
 Where each decision is made:
 
-- waiting: `_acquire_one` starts one election per group and keeps the first that wins,
-  stopping (and so releasing) the others;
-- loss: `_Holding` cancels the ``async with`` body's task when the term ends before the
+- waiting: `acquire_one` starts one election per group, one at a time, and keeps the
+  first that wins, stopping (and so releasing) the others;
+- loss: `Holding` cancels the ``async with`` body's task when the term ends before the
   block does, and turns that cancellation into `LeadershipLost` as the block exits (the
   way `asyncio.timeout` turns its cancellation into `TimeoutError`);
-- release: `_stop_all`, whose stops run on in their own tasks if the caller is cancelled.
+- release: `stop_all`, whose stops run on in their own tasks if the caller is cancelled.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def check_count(value: object, field: str) -> int:
     return value
 
 
-def _keep(task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+def keep(task: asyncio.Task[Any]) -> asyncio.Task[Any]:
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
     return task
@@ -105,7 +105,7 @@ async def stop_all(elections: Sequence[LeaderElection]) -> None:
     if not elections:
         return
     loop = asyncio.get_running_loop()
-    tasks = [_keep(loop.create_task(election.stop())) for election in elections]
+    tasks = [keep(loop.create_task(election.stop())) for election in elections]
     await asyncio.shield(asyncio.gather(*tasks))
 
 
@@ -158,7 +158,7 @@ async def acquire_one(
         if winner is None:
             await stop_all(others)
         else:  # the term is ours now: release any other slot won meanwhile in the background
-            _keep(loop.create_task(stop_all(others)))
+            keep(loop.create_task(stop_all(others)))
 
 
 async def _first_round(election: LeaderElection, deadline: float | None) -> None:
@@ -203,7 +203,7 @@ class Holding:
         self._cancelling = self._task.cancelling() if self._task is not None else 0
         self._exiting = False
         self._fired = False
-        self._guard = _keep(asyncio.get_running_loop().create_task(self._watch()))
+        self._guard = keep(asyncio.get_running_loop().create_task(self._watch()))
 
     async def _watch(self) -> None:
         await self.held.wait_lost()
@@ -368,8 +368,9 @@ class Semaphore(_Holder):
     ``<name>.slot-0`` .. ``<name>.slot-2`` (each a group on the store), with ``held.slot``
     and ``held.token`` (rising per slot). Loss and release behave as for `Lock`.
 
-    A waiter campaigns for every slot at once and keeps the first it wins (releasing any
-    other it won meanwhile), so it is woken by the store's notification on any slot: it
+    A waiter tries the slots one at a time (in a random order, so waiters spread), then
+    campaigns for all of them and keeps the first it wins (releasing any other it won
+    meanwhile), so it is woken by the store's notification on any slot: while it waits it
     costs the store what *limit* followers cost.
     """
 

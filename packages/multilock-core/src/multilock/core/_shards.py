@@ -31,7 +31,7 @@ from typing import Any, Self, Unpack
 from ._calls import call_until, cancel_and_wait, sleep_until
 from ._election import LeaderElection, _require_async
 from ._errors import ConfigurationError, MultilockError
-from ._lock import HolderFields, acquire_one, check_count, holder_options, stop_all
+from ._lock import HolderFields, acquire_one, check_count, holder_options, keep, stop_all
 from ._options import Duration
 from ._provider import Provider
 from ._types import EventKind, Leadership
@@ -314,10 +314,11 @@ class Shards:
     def _drop(self, indexes: list[int]) -> None:
         if not indexes:
             return
-        elections = [self._elections.pop(i) for i in indexes]
+        loop = asyncio.get_running_loop()
         for index in indexes:
             self._views.pop(index, None)
-        self._spawn(stop_all(elections))
+            # A task per stop, never cancelled: a cancelled coordinator cannot skip one.
+            keep(loop.create_task(self._elections.pop(index).stop()))
         self._notify()
 
     async def _follow(self, election: LeaderElection) -> None:
