@@ -28,9 +28,9 @@ from collections.abc import Callable, Coroutine, Mapping
 from types import TracebackType
 from typing import Any, Self, Unpack
 
-from ._calls import call_until, cancel_and_wait, sleep_until
-from ._election import LeaderElection, _require_async
-from ._errors import ConfigurationError, MultilockError
+from ._calls import call_until, cancel_and_wait, describe_callable, is_async_callable, sleep_until
+from ._election import LeaderElection
+from ._errors import ConfigurationError, LeadershipLost, MultilockError
 from ._lock import HolderFields, acquire_one, check_count, holder_options, keep, stop_all
 from ._options import Duration
 from ._provider import Provider
@@ -114,6 +114,7 @@ class Shards:
         self._changed = asyncio.Event()
         self._entered = False
         self._closed = False
+        self._count_due = False
 
     # ------------------------------------------------------------------ public
     @property
@@ -165,7 +166,13 @@ class Shards:
         rebalance); the shard's next term runs *fn* again. If *fn* raises, the other tasks
         are cancelled and the exception propagates.
         """
-        _require_async(fn, "run_for_each")
+        if not is_async_callable(fn):
+            kind = "not callable" if not callable(fn) else "not an async function"
+            raise TypeError(
+                "run_for_each() needs an async function (async def fn(shard)); "
+                f"{describe_callable(fn)} is {kind}. To run a plain function in a thread "
+                "per shard, use multilock.core.sync.Shards"
+            )
         self._require_entered("run_for_each")
         running: dict[int, tuple[ShardLeadership, asyncio.Task[Any]]] = {}
         try:
@@ -179,8 +186,9 @@ class Shards:
                         running[index] = (view, task)
                 for index, (view, task) in list(running.items()):
                     if task.done():
-                        if not task.cancelled() and task.exception() is not None:
-                            raise task.exception()  # type: ignore[misc]  # (not None)
+                        error = None if task.cancelled() else task.exception()
+                        if error is not None and not _ended_with(error, view):
+                            raise error
                         if not view.is_valid:
                             del running[index]  # the term ended: its next term runs fn again
                 waiter = asyncio.ensure_future(changed.wait())
@@ -247,7 +255,8 @@ class Shards:
         loop = asyncio.get_running_loop()
         next_count = loop.time()
         while True:
-            if loop.time() >= next_count:
+            if self._count_due or loop.time() >= next_count:
+                self._count_due = False
                 await self._count_members()
                 next_count = loop.time() + self._retry * random.uniform(0.75, 1.0)
             await self._balance()
@@ -261,6 +270,7 @@ class Shards:
             index = await acquire_one(elections, None, "membership")
             member = self._member = elections[index]
             leadership = member.leadership
+            self._count_due = True  # count at once: this participant is one more now
             self._wake.set()
             if leadership is not None:
                 await leadership.wait_lost()
@@ -345,6 +355,12 @@ class Shards:
     def _require_entered(self, what: str) -> None:
         if not self._entered or self._closed:
             raise MultilockError(f"{what}: enter the Shards first (async with Shards(...))")
+
+
+def _ended_with(error: BaseException, view: ShardLeadership) -> bool:
+    """*error* is the shard's own term ending (``check()`` after the deadline, before the
+    cancellation arrived): the end of that term, not a failure of the work."""
+    return isinstance(error, LeadershipLost) and error.token == view.token and not view.is_valid
 
 
 def _term_started(election: LeaderElection) -> float:
