@@ -7,6 +7,11 @@ Use it where there is no event loop of your own: Flask, Django, Celery workers, 
     with LeaderElection("redis://localhost:6379/0", group="nightly-report") as election:
         election.run_while_leader(report_loop)   # report_loop(leadership) runs in a thread
 
+`Lock`, `Semaphore` and `Shards` are the ``with`` forms of their async twins::
+
+    with Lock("redis://localhost:6379/0", "nightly-report", timeout=30) as held:
+        write_report(fencing_token=held.token)   # held.lost is set if the lease is lost
+
 Threading model:
 
 - Every sync election wraps an async `multilock.core.LeaderElection` that lives on an
@@ -34,6 +39,12 @@ Threading model:
   callback running there) raise `RuntimeError` instead of deadlocking.
 - The elections never close a provider they were given; one built from a URL is owned and
   closed by ``close()`` or by leaving its ``with`` block. Nothing relies on finalizers.
+- `Lock`, `Semaphore` and `Shards` follow the same model. A thread cannot be cancelled, so
+  where the async forms cancel the body at loss, the body of ``with Lock(...) as held``
+  watches ``held.lost``/``held.check()``, and leaving the block raises `LeadershipLost`
+  if the lease was lost inside it; ``shards.run_for_each(fn)`` calls *fn* in a thread per
+  owned shard and term. A lock or semaphore built from a URL closes its provider when its
+  last ``with`` block ends and builds it again for the next one.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from ._options import ElectionFields, ElectionOptions
 from ._portal import AsyncCall, BlockingPortal, LoopFactory
 from ._provider import Provider
 from ._signals import DEFAULT_SIGNALS
+from ._sync_holders import Lock, Semaphore, Shards
 from ._types import (
     ElectionState,
     ElectionStatistics,
@@ -70,7 +82,7 @@ from ._types import (
 )
 from ._url import from_url
 
-__all__ = ["EventIterator", "LeaderElection", "stop_on_signals"]
+__all__ = ["EventIterator", "LeaderElection", "Lock", "Semaphore", "Shards", "stop_on_signals"]
 
 T = TypeVar("T")
 
