@@ -105,6 +105,20 @@ def test_core_intro_block_leads_on_memory(tmp_path: Path) -> None:
     assert result.stdout == "leading with fencing token 1\n", result.stdout
 
 
+def test_holders_block_locks_then_limits_to_two(tmp_path: Path) -> None:
+    script = tmp_path / "holders.py"
+    script.write_text(block("holders"))
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["a holds the lock with token 1", "b holds the lock with token 2"], lines
+    slots = [line.rsplit(" ", 1)[1] for line in lines[2:]]
+    assert len(slots) == 4, lines
+    assert sorted(slots) == ["0", "0", "1", "1"], lines  # two at a time, each slot twice
+
+
 def test_sigterm_block_releases_and_exits_with_143(tmp_path: Path) -> None:
     script = tmp_path / "sigterm_example.py"
     script.write_text(block("sigterm"))
@@ -194,6 +208,16 @@ PRELUDES: dict[str, str] = {
     "README.md:0": "async def write_report(**kw: object) -> None: ...",
     "README.md:1": "def do_work(token: int) -> None: ...",
     "README.md:3": "from multilock.core import LeaderElection\nelection: LeaderElection",
+    "README.md:6": "async def write_report(**kw: object) -> None: ...",
+    "README.md:7": "async def transcode(video: object, **kw: object) -> None: ...",
+    "README.md:8": "async def process_orders(shard: int, **kw: object) -> None: ...",
+    "README.md:9": (
+        "def report_parts() -> list[str]: return []\n"
+        "def write(part: str, **kw: object) -> None: ...\n"
+        "video: object\n"
+        "def transcode(video: object, **kw: object) -> None: ...\n"
+        "def process_orders(shard: int, **kw: object) -> None: ..."
+    ),
     "packages/multilock-apscheduler/README.md:0": (
         "async def write_report(**kw: object) -> None: ..."
     ),
