@@ -34,7 +34,7 @@ from ._errors import ConfigurationError, LeadershipLost, MultilockError
 from ._lock import HolderFields, acquire_one, check_count, holder_options, keep, stop_all
 from ._options import Duration
 from ._provider import Provider
-from ._types import EventKind, Leadership
+from ._types import EventKind, LeaderInfo, Leadership
 
 __all__ = ["ShardLeadership", "Shards"]
 
@@ -282,8 +282,12 @@ class Shards:
         """Count the member slots with a live holder; on a store error keep the old count."""
         groups = [o.group for o in self._member_options]
         deadline = asyncio.get_running_loop().time() + self._retry
-        calls = [call_until(self._provider.get_leader(group), deadline) for group in groups]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+
+        async def read(group: str) -> LeaderInfo | None:
+            # The call is made inside its task: a cancelled gather drops no coroutine.
+            return await call_until(self._provider.get_leader(group), deadline)
+
+        results = await asyncio.gather(*(read(g) for g in groups), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             log.warning(

@@ -8,6 +8,8 @@
   intervals never overlap and their tokens always rise.
 - `simulate`: a deterministic simulation of several elections on a faulty store with a
   random user, in virtual time; one seed is one reproducible run, checked at every step.
+- `simulate_holders`: the same for `Semaphore` and `Shards`, with their own invariants
+  (at most *limit* holders, one owner per shard, balance after a quiet period).
 """
 
 from ._clock import FakeClock
@@ -15,6 +17,12 @@ from ._cluster import Cluster, Member
 from ._contract import PROVIDER_CHECKS, ProviderFactory, check_provider
 from ._errors import error_texts
 from ._faults import Fault, FaultyProvider
+from ._simulate_holders import (
+    HoldersConfig,
+    HoldersReport,
+    run_holder_simulations,
+    simulate_holders,
+)
 from ._simulator import (
     SimulationConfig,
     SimulationFailure,
@@ -30,6 +38,8 @@ __all__ = [
     "FakeClock",
     "Fault",
     "FaultyProvider",
+    "HoldersConfig",
+    "HoldersReport",
     "Interval",
     "Member",
     "PROVIDER_CHECKS",
@@ -43,6 +53,8 @@ __all__ = [
     "check_timeline",
     "error_texts",
     "read_event_logs",
+    "run_holder_simulations",
     "run_simulations",
     "simulate",
+    "simulate_holders",
 ]
