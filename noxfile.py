@@ -5,7 +5,8 @@ Sessions:
   integration (real servers) and fault-injection tests.
 - lint, typecheck, tests (no servers), integration, faults (the long fault campaign),
   freezes (``multilock run`` with frozen supervisors, long), demo, bench, compose (against
-  docker-compose.yml), simulate (the deterministic simulator, long).
+  docker-compose.yml), simulate (the deterministic simulator, long), simulate_holders (its
+  semaphore and shards worlds, long).
 """
 
 from __future__ import annotations
@@ -160,6 +161,24 @@ def simulate(session: nox.Session) -> None:
     session.run(
         "python", "-c",
         "import sys; from multilock.core.testing._simulator import main; sys.exit(main())",
+        *session.posargs,
+    )  # fmt: skip
+
+
+@nox.session
+def simulate_holders(session: nox.Session) -> None:
+    """The deterministic simulator's semaphore and shards worlds, long: one process per CPU.
+
+    ``MULTILOCK_SIM_HOLDERS_STEPS`` (steps in all, default 400,000),
+    ``MULTILOCK_SIM_HOLDERS_SEEDS`` (the first seed, a range ``A:B`` or a list ``A,B,C``;
+    default 0) and ``MULTILOCK_SIM_HOLDERS_KIND`` (``semaphore``, ``shards`` or ``both``, the
+    default) choose the run; ``-- --steps 2000 --jobs 2`` are passed on. Prints a line per
+    run; a failure prints its seed, a line that replays it and its trace, and the session fails.
+    """
+    session.install("-e", "packages/multilock-core")
+    session.run(
+        "python", "-c",
+        "import sys; from multilock.core.testing._simulate_holders import main; sys.exit(main())",
         *session.posargs,
     )  # fmt: skip
 
