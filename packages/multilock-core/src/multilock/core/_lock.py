@@ -155,8 +155,10 @@ async def acquire_one(
         for task in waits:
             task.cancel()
         others = [elections[i] for i in started if i != winner]
-        if winner is None:
-            await stop_all(others)
+        if winner is None:  # give the stops until the deadline; they run on after it
+            stopping = keep(loop.create_task(stop_all(others)))
+            bound = None if deadline is None else max(deadline - loop.time(), 0.0)
+            await asyncio.wait({stopping}, timeout=bound)
         else:  # the term is ours now: release any other slot won meanwhile in the background
             keep(loop.create_task(stop_all(others)))
 
@@ -188,7 +190,7 @@ def _why_waiting(elections: Sequence[LeaderElection]) -> str:
         if isinstance(observed, tuple):
             holders.append(f"{observed[0]} (token {observed[1]})")
     if not holders:
-        return "not acquired yet"
+        return "the store has not answered yet"
     return "held by " + ", ".join(holders)
 
 
@@ -218,8 +220,10 @@ class Holding:
         lost = self._fired or not self.held.is_valid
         reason = self.held._term.end_reason
         await stop_all([self.election])
-        if self._fired and self._task is not None and self._task.uncancel() > self._cancelling:
-            return  # cancelled from outside too: that cancellation goes on
+        if self._task is not None:
+            pending = self._task.uncancel() if self._fired else self._task.cancelling()
+            if pending > self._cancelling:
+                return  # cancelled from outside too: that cancellation goes on
         if not lost:
             return
         if exc_type is None or exc_type is asyncio.CancelledError:
