@@ -9,10 +9,12 @@ belong to this provider, keyed (group, participant). A node lives while its sess
 (``lease_bounds``: a lease is at least the session timeout) and while it is refreshed
 (``try_acquire``/``renew``) once per lease, or waits behind the leader with its group
 watched here: a timer on the event loop deletes it otherwise. SUSPENDED ends a term at
-once. A create whose reply was lost is found by its prefix; a cancelled ``try_acquire``
-settles, then deletes a node it made. ``contenders`` lists the candidate nodes in line,
-each read for its participant id. One kazoo client and session per provider, called
-through kazoo's asynchronous API from the loop; only connect and close block, in a thread.
+once; a candidate in line keeps its place while kazoo reconnects, to the same server or
+another of the ensemble, within the session. A create whose reply was lost is found by
+its prefix; a cancelled ``try_acquire`` settles, then deletes a node it made.
+``contenders`` lists the candidate nodes in line, each read for its participant id. One
+kazoo client and session per provider, called through kazoo's asynchronous API from the
+loop; only connect and close block, in a thread.
 """
 
 from __future__ import annotations
@@ -171,14 +173,19 @@ class ZooKeeperProvider(Provider):
     def _expire(self, key: Key, node: Node, lease: float) -> None:
         # Queued behind the leader while its group is watched here: its participant
         # follows (an idle follower refreshes nothing); once it leads, it must renew.
-        if self._queued(node):
+        # Disconnected, a node in line when last seen waits for the session to be back
+        # (kazoo moving to another server): the view listed again then decides.
+        if self._queued(node) or (self._suspended() and self._queued(node, stale=True)):
             self._arm(key, node, lease)
         else:
             self._forget(key, node)
 
-    def _queued(self, node: Node) -> bool:
-        line = self._views.known(node.group)  # a current view: no read needed
+    def _queued(self, node: Node, stale: bool = False) -> bool:
+        line = self._views.known(node.group, stale)  # no read needed
         return line is not None and node.name in [name for _, name in line[1:]]
+
+    def _suspended(self) -> bool:
+        return self._client is not None and self._client.state != KazooState.CONNECTED
 
     def _drop(self, key: Key, node: Node) -> None:
         if self._nodes.get(key) is node:

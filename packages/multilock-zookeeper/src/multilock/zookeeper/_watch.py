@@ -93,10 +93,13 @@ class Views:
     def _up(self) -> bool:
         return bool(self._client is not None and self._client.state == KazooState.CONNECTED)
 
-    def known(self, group: str) -> list[tuple[int, str]] | None:
-        """The candidates of a current view of *group*; None: read the store."""
+    def known(self, group: str, stale: bool = False) -> list[tuple[int, str]] | None:
+        """The candidates of a current view of *group*; None: read the store. With
+        *stale*, those of the last listing, current or not (none if never listed)."""
         view = self._views.get(f"{self._root}/{group}")
-        return view.line if view is not None and view.current and self._up() else None
+        if view is None or not (stale or (view.current and self._up())):
+            return None
+        return view.line
 
     def _hop(self, fn: Callable[[View, Any], None], view: View, event: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody watches
