@@ -392,3 +392,38 @@ def test_stop_on_signals_exit_cancelled_restores_the_handlers_and_the_election_s
         await b.stop()
 
     run(body)
+
+
+class CancelsItself(InMemoryProvider):
+    """A driver that cancels its own call now and then (gRPC does, on a closing channel)."""
+
+    def __init__(self, clock) -> None:
+        super().__init__(clock=clock)
+        self.cancel_next = 0
+
+    async def get_leader(self, group):
+        if self.cancel_next:
+            self.cancel_next -= 1
+            raise asyncio.CancelledError
+        return await super().get_leader(group)
+
+    async def try_acquire(self, group, participant_id, lease_duration, metadata):
+        if self.cancel_next:
+            self.cancel_next -= 1
+            raise asyncio.CancelledError
+        return await super().try_acquire(group, participant_id, lease_duration, metadata)
+
+
+def test_a_driver_cancelling_its_own_call_is_a_failed_call_not_the_end_of_the_election():
+    clock = FakeClock()
+
+    async def main():
+        store = CancelsItself(clock.monotonic)
+        store.cancel_next = 3
+        async with election(store, "a") as a:
+            leadership = await a.wait_until_leader(timeout=3 * LEASE)
+            assert leadership.token >= 1
+            assert a.statistics().acquire_failures >= 1
+        assert a.state is ElectionState.STOPPED
+
+    clock.run(main())

@@ -10,6 +10,8 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ._errors import ProviderError
+
 __all__ = [
     "call_until",
     "cancel_and_wait",
@@ -47,6 +49,15 @@ async def call_until(call: Coroutine[Any, Any, T] | asyncio.Future[T], deadline:
             raise  # the call's own TimeoutError
         coro = task.get_coro() if isinstance(task, asyncio.Task) else None
         name = getattr(coro, "__qualname__", "the provider call")
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if not task.cancelled() or (current is not None and current.cancelling()):
+            raise  # the caller was cancelled: that goes on
+        # The driver cancelled its own call (gRPC does, on a channel being closed): a
+        # failed call, not the end of the caller's loop.
+        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+        name = getattr(coro, "__qualname__", "the provider call")
+        raise ProviderError(f"{name} was cancelled by the driver") from None
     finally:
         if not task.done():
             task.cancel()
