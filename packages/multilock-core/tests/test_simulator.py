@@ -2,7 +2,8 @@
 broken store, and one seed always gives one trace.
 
 ``nox -s simulate`` runs the long campaign (millions of steps); here 100 seeds of 2000
-steps (200,000 steps, about 20 s on one core) run with every test run.
+steps (200,000 steps, about 20 s on one core) run with every test run. The broken store
+(``forgetful``) is a fixture of conftest.py.
 """
 
 import logging
@@ -11,7 +12,6 @@ import random
 
 import pytest
 
-from multilock.core import InMemoryProvider
 from multilock.core.testing import (
     SimulationFailure,
     SimulationReport,
@@ -31,29 +31,9 @@ def test_a_seed_keeps_every_invariant(seed):
     assert sum(report.calls.values()) > STEPS / 2
 
 
-class Forgetful(InMemoryProvider):
-    """A broken store: it never reports a leader, and try_acquire lets anyone in."""
-
-    async def get_leader(self, group):
-        return None
-
-    async def try_acquire(self, group, participant_id, lease_duration, metadata):
-        holder = await super().get_leader(group)
-        if holder is not None:  # takes the lease from a live holder: two leaders
-            await self.release(group, holder.participant_id, holder.token)
-        return await super().try_acquire(group, participant_id, lease_duration, metadata)
-
-
-def test_a_store_that_lets_a_second_participant_in_is_caught():
+def test_a_store_that_lets_a_second_participant_in_is_caught(forgetful):
     with pytest.raises(SimulationFailure) as caught:
-        simulate(
-            7,
-            steps=500,
-            elections=3,
-            faults=0.0,
-            cancel_rate=0.0,
-            store=lambda clock: Forgetful(clock=clock),
-        )
+        simulate(7, steps=500, elections=3, faults=0.0, cancel_rate=0.0, store=forgetful)
     failure = caught.value
     assert "leaders in group0 at once" in failure.invariant
     assert failure.seed == 7

@@ -4,6 +4,7 @@ Elections run in virtual time: each test's `FakeClock` drives one event loop thr
 (``loop_factory=clock.new_event_loop``; elections made with the same factory share it) and
 judges expiry in the `InMemoryProvider`. Threads are awaited on events with real-time
 deadlines (``WAIT``), never slept on. One test uses the real shared loop and real time.
+The ``clock``, ``store``, ``background`` and ``loop_thread`` fixtures are in conftest.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -34,6 +35,9 @@ from multilock.core import (
 from multilock.core.sync import LeaderElection
 from multilock.core.testing import FakeClock, Fault, FaultyProvider
 
+if TYPE_CHECKING:
+    from conftest import Background, LoopThread
+
 pytestmark = pytest.mark.timeout(30)
 
 #: Real seconds a thread may take to report back; a bound, never a sleep.
@@ -43,41 +47,6 @@ LEASE = 15.0
 GROUP = "jobs"
 
 Make = Callable[..., LeaderElection]
-
-
-class Background:
-    """Run a blocking call in a daemon thread and keep its outcome."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._main, args=(fn, *args), daemon=True)
-        self.thread.start()
-
-    def _main(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            self.value = fn(*args)
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def result(self) -> Any:
-        assert self.done.wait(WAIT), "the background call did not return in time"
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(real_grace=0.001)
-
-
-@pytest.fixture
-def store(clock: FakeClock) -> InMemoryProvider:
-    return InMemoryProvider(clock=clock.monotonic)
 
 
 @pytest.fixture
@@ -184,7 +153,9 @@ def test_wait_until_leader_requires_a_running_election(make: Make) -> None:
 
 
 # ---------------------------------------------------------------------- two elections
-def test_two_elections_sharing_a_provider_exactly_one_leads(make: Make) -> None:
+def test_two_elections_sharing_a_provider_exactly_one_leads(
+    make: Make, background: type[Background]
+) -> None:
     a, b = make("a"), make("b")
     acquired: queue.Queue[tuple[str, LeadershipEvent]] = queue.Queue()
     streams = [(e.participant_id, e.events(EventKind.ACQUIRED)) for e in (a, b)]
@@ -193,7 +164,7 @@ def test_two_elections_sharing_a_provider_exactly_one_leads(make: Make) -> None:
         for event in stream:
             acquired.put((name, event))
 
-    readers = [Background(forward, name, stream) for name, stream in streams]
+    readers = [background(forward, name, stream) for name, stream in streams]
     a.start()
     b.start()
     name, event = acquired.get(timeout=WAIT)
@@ -242,7 +213,7 @@ def test_resign_hands_over_to_the_waiting_election(make: Make) -> None:
 
 
 def test_run_while_leader_sees_the_loss_and_the_other_takes_over(
-    make: Make, store: InMemoryProvider
+    make: Make, store: InMemoryProvider, background: type[Background]
 ) -> None:
     faulty = FaultyProvider(store)
     a, b = make("a", faulty), make("b")
@@ -265,7 +236,7 @@ def test_run_while_leader_sees_the_loss_and_the_other_takes_over(
                 after_loss["check"] = exc
             saw_loss.set()
 
-    runner = Background(a.run_while_leader, work, "tag")
+    runner = background(a.run_while_leader, work, "tag")
     assert started.wait(WAIT)
     token, tag, thread_name = calls[0]
     assert (token, tag) == (first.token, "tag")
@@ -287,7 +258,7 @@ def test_run_while_leader_sees_the_loss_and_the_other_takes_over(
     assert len(calls) == 1
 
 
-def test_run_while_leader_runs_again_in_each_term(make: Make) -> None:
+def test_run_while_leader_runs_again_in_each_term(make: Make, background: type[Background]) -> None:
     a = make("a")
     a.start()
     tokens: list[int] = []
@@ -298,7 +269,7 @@ def test_run_while_leader_runs_again_in_each_term(make: Make) -> None:
         if len(tokens) == 2:
             second_term.set()
 
-    runner = Background(a.run_while_leader, work)
+    runner = background(a.run_while_leader, work)
     first = a.wait_until_leader(timeout=LEASE)
     a.resign()  # ends the term; a campaigns again after retry_interval
     assert second_term.wait(WAIT)
@@ -418,10 +389,12 @@ def test_events_report_the_observed_leader(make: Make) -> None:
     assert changed.leader.participant_id == "a"
 
 
-def test_closing_an_event_iterator_wakes_its_reader(make: Make) -> None:
+def test_closing_an_event_iterator_wakes_its_reader(
+    make: Make, background: type[Background]
+) -> None:
     a = make("a")
     events = a.events()
-    reader = Background(list, events)  # blocks: nothing happens before start
+    reader = background(list, events)  # blocks: nothing happens before start
     events.close()
     events.close()  # idempotent
     assert reader.result() == []
@@ -488,15 +461,10 @@ def test_url_election_owns_and_closes_its_provider(
     assert len(closed) == 2
 
 
-def test_blocking_calls_from_the_loop_thread_raise(clock: FakeClock) -> None:
-    loops = []
-
-    def factory() -> Any:
-        loop = clock.new_event_loop()
-        loops.append(loop)
-        return loop
-
-    store = InMemoryProvider(clock=clock.monotonic)
+def test_blocking_calls_from_the_loop_thread_raise(
+    store: InMemoryProvider, loop_thread: LoopThread
+) -> None:
+    factory = loop_thread.factory
     a = LeaderElection(store, loop_factory=factory, group=GROUP, participant_id="a")
     try:
         a.start()
@@ -515,28 +483,9 @@ def test_blocking_calls_from_the_loop_thread_raise(clock: FakeClock) -> None:
             "close": a.close,
             "LeaderElection": lambda: LeaderElection(store, loop_factory=factory),
         }
-        errors: dict[str, BaseException | None] = {}
-        local: dict[str, object] = {}
-        done = threading.Event()
-
-        def probe() -> None:
-            for name, call in calls.items():
-                try:
-                    call()
-                except BaseException as exc:
-                    errors[name] = exc
-                else:
-                    errors[name] = None
-            local["is_leader"] = a.is_leader
-            local["statistics"] = a.statistics()
-            done.set()
-
-        loops[0].call_soon_threadsafe(probe)
-        assert done.wait(WAIT)
-        for name, error in errors.items():
-            assert isinstance(error, RuntimeError), name
-            assert "deadlock" in str(error), name
-        assert local["is_leader"] is True
+        loop_thread.assert_deadlocks_refused(calls)
+        # Local state never blocks.
+        assert loop_thread.run(lambda: (a.is_leader, a.statistics().is_leader)) == (True, True)
         assert a.is_leader  # nothing was stopped or closed
         assert not a.closed
         events.close()
@@ -567,7 +516,9 @@ class RecordingProvider(InMemoryProvider):
         await super().release(group, participant_id, token)
 
 
-def test_shared_default_loop_serves_two_elections_and_one_provider() -> None:
+def test_shared_default_loop_serves_two_elections_and_one_provider(
+    background: type[Background],
+) -> None:
     """Real time, lease 2 s: every wait is on an event with a deadline."""
 
     provider = RecordingProvider()
@@ -596,7 +547,7 @@ def test_shared_default_loop_serves_two_elections_and_one_provider() -> None:
             finally:
                 provider.work_running.clear()
 
-        runner = Background(a.run_while_leader, work)
+        runner = background(a.run_while_leader, work)
         assert inside.wait(WAIT)
         a.stop()
         assert provider.released_during_work is False
@@ -616,7 +567,7 @@ def test_shared_default_loop_serves_two_elections_and_one_provider() -> None:
     assert len(shared) == 1  # one shared loop thread, still there for later elections
 
 
-def interrupt_main_thread_when(event: threading.Event) -> Background:
+def interrupt_main_thread_when(event: threading.Event, background: type[Background]) -> Background:
     """Send a real SIGINT to this (main) thread once *event* is set: Ctrl-C, as a user would."""
     assert threading.current_thread() is threading.main_thread()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -626,11 +577,13 @@ def interrupt_main_thread_when(event: threading.Event) -> Background:
         assert event.wait(WAIT)
         signal.pthread_kill(main, signal.SIGINT)
 
-    return Background(send)
+    return background(send)
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
-def test_stop_after_an_interrupted_run_while_leader_still_waits_for_the_work() -> None:
+def test_stop_after_an_interrupted_run_while_leader_still_waits_for_the_work(
+    background: type[Background],
+) -> None:
     """Real time, lease 2 s. Ctrl-C while blocked in run_while_leader, then stop().
 
     The interrupt cancels the term task once (through run_while_leader) and stop() cancels
@@ -654,7 +607,7 @@ def test_stop_after_an_interrupted_run_while_leader_still_waits_for_the_work() -
             finally:
                 provider.work_running.clear()
 
-        sender = interrupt_main_thread_when(inside)
+        sender = interrupt_main_thread_when(inside, background)
         with pytest.raises(KeyboardInterrupt):
             a.run_while_leader(work)
         sender.result()

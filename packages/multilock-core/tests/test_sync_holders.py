@@ -4,7 +4,8 @@ Everything runs in virtual time, as in test_sync.py: each test's `FakeClock` dri
 event loop thread (``loop_factory=clock.new_event_loop``, shared by the objects made with
 it) and judges expiry in the `InMemoryProvider`. Threads are awaited on events with
 real-time deadlines (``WAIT``), never slept on. That a waiter is still kept out is shown
-by a second waiter whose ``timeout`` (virtual seconds) runs out meanwhile.
+by a second waiter whose ``timeout`` (virtual seconds) runs out meanwhile. The ``clock``,
+``store``, ``background`` and ``loop_thread`` fixtures are in conftest.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -32,6 +33,9 @@ from multilock.core import (
 from multilock.core.sync import Lock, Semaphore, Shards
 from multilock.core.testing import FakeClock, Fault, FaultyProvider
 
+if TYPE_CHECKING:
+    from conftest import Background, LoopThread
+
 pytestmark = pytest.mark.timeout(30)
 
 #: Real seconds a thread may take to report back; a bound, never a sleep.
@@ -41,40 +45,15 @@ LEASE = 15.0
 NAME = "job"
 
 
-class Background:
-    """Run a blocking call in a daemon thread and keep its outcome."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._main, args=(fn, *args), daemon=True)
-        self.thread.start()
-
-    def _main(self, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            self.value = fn(*args)
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def result(self) -> Any:
-        assert self.done.wait(WAIT), "the background call did not return in time"
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-class Holder(Background):
+class Holder:
     """Hold *holder* in a thread: the block stays open until ``release`` is set; the
     result is what the block saw: the held object and whether ``lost`` was set inside."""
 
-    def __init__(self, holder: Lock | Semaphore) -> None:
+    def __init__(self, holder: Lock | Semaphore, background: type[Background]) -> None:
         self.entered = threading.Event()
         self.release = threading.Event()
         self.held: Any = None
-        super().__init__(self._body, holder)
+        self.result = background(self._body, holder).result
 
     def _body(self, holder: Lock | Semaphore) -> tuple[Any, bool]:
         with holder as held:
@@ -121,20 +100,19 @@ class Factory:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(real_grace=0.001)
-
-
-@pytest.fixture
-def store(clock: FakeClock) -> InMemoryProvider:
-    return InMemoryProvider(clock=clock.monotonic)
-
-
-@pytest.fixture
 def make(clock: FakeClock, store: InMemoryProvider) -> Iterator[Factory]:
     factory = Factory(clock, store)
     yield factory
     factory.close()
+
+
+Hold = Callable[[Lock | Semaphore], Holder]
+
+
+@pytest.fixture
+def hold(background: type[Background]) -> Hold:
+    """``hold(lock)`` enters *lock* in a thread of its own (a `Holder`)."""
+    return lambda holder: Holder(holder, background)
 
 
 def still_held(holder: Lock | Semaphore) -> None:
@@ -144,14 +122,14 @@ def still_held(holder: Lock | Semaphore) -> None:
 
 
 # ---------------------------------------------------------------------- Lock
-def test_one_lock_excludes_threads_and_tokens_rise(make: Factory) -> None:
+def test_one_lock_excludes_threads_and_tokens_rise(make: Factory, hold: Hold) -> None:
     lock = make.lock()
-    first, second = Holder(lock), None
+    first, second = hold(lock), None
     held = first.wait_entered()
     assert isinstance(held, Leadership)
     assert held.group == NAME
     assert held.is_valid
-    second = Holder(lock)  # the same object from another thread: a separate holder
+    second = hold(lock)  # the same object from another thread: a separate holder
     still_held(make.lock(timeout=3 * LEASE))
     assert not second.entered.is_set()
     assert "held=1" in repr(lock)  # the one inside (the other waits at the door)
@@ -167,8 +145,8 @@ def test_one_lock_excludes_threads_and_tokens_rise(make: Factory) -> None:
         assert again.token > taken.token
 
 
-def test_acquire_timeout_names_the_holder(make: Factory) -> None:
-    holder = Holder(make.lock(participant_id="worker-a"))
+def test_acquire_timeout_names_the_holder(make: Factory, hold: Hold) -> None:
+    holder = hold(make.lock(participant_id="worker-a"))
     held = holder.wait_entered()
     waiter = make.lock(timeout=LEASE)
     assert waiter.timeout == LEASE
@@ -229,11 +207,11 @@ def test_a_body_error_propagates_and_the_lock_is_released(
         fail_after_the_loss()
 
 
-def test_leaving_from_a_thread_that_does_not_hold_raises(make: Factory) -> None:
+def test_leaving_from_a_thread_that_does_not_hold_raises(make: Factory, hold: Hold) -> None:
     lock = make.lock()
     with pytest.raises(MultilockError, match="not held by this thread"):
         lock.__exit__(None, None, None)
-    holder = Holder(lock)
+    holder = hold(lock)
     holder.wait_entered()
     with pytest.raises(MultilockError, match="not held by this thread"):
         lock.__exit__(None, None, None)
@@ -241,11 +219,13 @@ def test_leaving_from_a_thread_that_does_not_hold_raises(make: Factory) -> None:
     holder.result()
 
 
-def test_close_releases_the_holders_of_other_threads(make: Factory) -> None:
+def test_close_releases_the_holders_of_other_threads(
+    make: Factory, hold: Hold, background: type[Background]
+) -> None:
     lock = make.lock()
-    holder = Holder(lock)
+    holder = hold(lock)
     held = holder.wait_entered()
-    waiter = Background(lock.__enter__)  # waits at the door
+    waiter = background(lock.__enter__)  # waits at the door
     still_held(make.lock(timeout=3 * LEASE))  # (well past the waiter's first round)
     lock.close()
     lock.close()  # idempotent
@@ -273,14 +253,14 @@ def test_bad_options_raise_at_construction(clock: FakeClock, store: InMemoryProv
 
 
 # ---------------------------------------------------------------------- Semaphore
-def test_semaphore_admits_limit_threads_at_once(make: Factory) -> None:
+def test_semaphore_admits_limit_threads_at_once(make: Factory, hold: Hold) -> None:
     semaphore = make.semaphore(2)
     assert semaphore.limit == 2
-    first, second = Holder(semaphore), Holder(semaphore)
+    first, second = hold(semaphore), hold(semaphore)
     slots = [first.wait_entered(), second.wait_entered()]
     assert all(isinstance(s, SemaphoreSlot) for s in slots)
     assert sorted(s.slot for s in slots) == [0, 1]
-    third = Holder(semaphore)
+    third = hold(semaphore)
     still_held(make.semaphore(2, timeout=3 * LEASE))
     assert not third.entered.is_set()
 
@@ -335,7 +315,9 @@ class Recorder:
             return {shard for shard, _, _ in self.calls}
 
 
-def test_shards_run_for_each_in_a_thread_per_shard_and_rebalance(make: Factory) -> None:
+def test_shards_run_for_each_in_a_thread_per_shard_and_rebalance(
+    make: Factory, background: type[Background]
+) -> None:
     a, b = make.shards(4, participant_id="a"), make.shards(4, participant_id="b")
     with a, b:
         wait_for(
@@ -350,7 +332,7 @@ def test_shards_run_for_each_in_a_thread_per_shard_and_rebalance(make: Factory) 
         assert (a.count, a.name, a.participant_id) == (4, NAME, "a")
 
         work_a, work_b = Recorder(), Recorder()
-        run_a, run_b = Background(a.run_for_each, work_a), Background(b.run_for_each, work_b)
+        run_a, run_b = background(a.run_for_each, work_a), background(b.run_for_each, work_b)
         wait_for(a, lambda: work_a.shards() == set(a.owned), "a works on its shards")
         wait_for(b, lambda: work_b.shards() == set(owned_by_b), "b works on its shards")
         names = {name for _, _, name in work_a.calls + work_b.calls}
@@ -425,7 +407,7 @@ def test_run_for_each_refuses_an_async_function(make: Factory) -> None:
 
 # ---------------------------------------------------------------------- providers and loops
 def test_url_built_objects_own_and_close_their_provider(
-    monkeypatch: pytest.MonkeyPatch, clock: FakeClock
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, hold: Hold
 ) -> None:
     assert "memory" in available_schemes()
     built: list[tuple[InMemoryProvider, threading.Thread]] = []
@@ -458,9 +440,9 @@ def test_url_built_objects_own_and_close_their_provider(
     assert len(built) == len(closed) == 2
 
     # Two threads in one object: the provider stays open until the last one leaves.
-    first = Holder(lock)
+    first = hold(lock)
     first.wait_entered()
-    second = Holder(lock)
+    second = hold(lock)
     first.release.set()
     first.result()
     assert len(closed) == 2
@@ -489,15 +471,10 @@ def test_url_built_objects_own_and_close_their_provider(
     assert len(closed) == 5
 
 
-def test_blocking_calls_from_the_loop_thread_raise(clock: FakeClock) -> None:
-    loops = []
-
-    def factory() -> Any:
-        loop = clock.new_event_loop()
-        loops.append(loop)
-        return loop
-
-    store = InMemoryProvider(clock=clock.monotonic)
+def test_blocking_calls_from_the_loop_thread_raise(
+    store: InMemoryProvider, loop_thread: LoopThread
+) -> None:
+    factory = loop_thread.factory
     lock = Lock(store, NAME, loop_factory=factory)
     shards = Shards(store, "pool", 2, loop_factory=factory)
     try:
@@ -516,27 +493,8 @@ def test_blocking_calls_from_the_loop_thread_raise(clock: FakeClock) -> None:
             "wait_changed": shards.wait_changed,
             "close shards": shards.close,
         }
-        errors: dict[str, BaseException | None] = {}
-        local: dict[str, object] = {}
-        done = threading.Event()
-
-        def probe() -> None:
-            for name, call in calls.items():
-                try:
-                    call()
-                except BaseException as exc:
-                    errors[name] = exc
-                else:
-                    errors[name] = None
-            local["owned"] = sorted(shards.owned)  # local state: never blocks
-            done.set()
-
-        loops[0].call_soon_threadsafe(probe)
-        assert done.wait(WAIT)
-        for name, error in errors.items():
-            assert isinstance(error, RuntimeError), name
-            assert "deadlock" in str(error), name
-        assert local["owned"] == [0, 1]
+        loop_thread.assert_deadlocks_refused(calls)
+        assert loop_thread.run(lambda: sorted(shards.owned)) == [0, 1]  # local: never blocks
         assert not lock.closed
         assert not shards.closed
         with lock as held:  # nothing was broken
@@ -546,7 +504,9 @@ def test_blocking_calls_from_the_loop_thread_raise(clock: FakeClock) -> None:
         lock.close()
 
 
-def interrupt_main_thread(event: threading.Event, clock: FakeClock, seconds: float) -> Background:
+def interrupt_main_thread(
+    event: threading.Event, clock: FakeClock, seconds: float, background: type[Background]
+) -> Background:
     """Send a real SIGINT to this (main) thread *seconds* of virtual time after *event* is
     set: Ctrl-C, as a user would, while the main thread waits."""
     assert threading.current_thread() is threading.main_thread()
@@ -562,16 +522,18 @@ def interrupt_main_thread(event: threading.Event, clock: FakeClock, seconds: flo
             time.sleep(0.001)
         signal.pthread_kill(main, signal.SIGINT)
 
-    return Background(send)
+    return background(send)
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
-def test_ctrl_c_while_waiting_leaves_nothing_behind(make: Factory, clock: FakeClock) -> None:
+def test_ctrl_c_while_waiting_leaves_nothing_behind(
+    make: Factory, clock: FakeClock, hold: Hold, background: type[Background]
+) -> None:
     lock = make.lock()
-    holder = Holder(lock)
+    holder = hold(lock)
     held = holder.wait_entered()
     waiting = threading.Event()
-    sender = interrupt_main_thread(waiting, clock, 3 * LEASE)
+    sender = interrupt_main_thread(waiting, clock, 3 * LEASE, background)
 
     def wait_at_the_door() -> None:
         waiting.set()

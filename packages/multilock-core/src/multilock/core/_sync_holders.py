@@ -30,20 +30,19 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any, Self, TypeVar, Unpack
+from typing import Any, TypeVar, Unpack
 
-from ._calls import describe_callable, is_async_callable
 from ._errors import LeadershipLost, MultilockError
 from ._lock import HolderFields, SemaphoreSlot
 from ._lock import Lock as AsyncLock
 from ._lock import Semaphore as AsyncSemaphore
 from ._options import Duration
-from ._portal import AsyncCall, BlockingPortal, LoopFactory
+from ._portal import LoopFactory
 from ._provider import Provider
 from ._shards import ShardLeadership
 from ._shards import Shards as AsyncShards
+from ._sync_base import Escaped, Facade, Lifetime, build, in_worker_thread, require_plain, settle
 from ._types import Leadership
-from ._url import from_url, redact_url
 
 __all__ = ["Lock", "Semaphore", "Shards"]
 
@@ -54,64 +53,6 @@ AsyncHolder = AsyncLock | AsyncSemaphore
 
 #: Tasks that must outlive the call that started them (asyncio keeps weak references).
 _BACKGROUND: set[asyncio.Task[Any]] = set()
-
-
-async def _build(make: Callable[[Provider], T], provider: Provider | str) -> tuple[T, Provider]:
-    """Make the async object on the loop thread, building the provider first from a URL."""
-    if not isinstance(provider, str):
-        return make(provider), provider
-    built = from_url(provider)
-    try:
-        return make(built), built
-    except BaseException:
-        await built.aclose()
-        raise
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-class _Facade:
-    """What the three share: a portal, a provider given or built from a URL, one close."""
-
-    _kind = "object"
-
-    def __init__(self, provider: Provider | str, loop_factory: LoopFactory | None) -> None:
-        self._portal = BlockingPortal(loop_factory)
-        self._state = threading.Lock()  # never held across a call to the loop
-        self._closed = False
-        self._owns_provider = isinstance(provider, str)
-        self._where = redact_url(provider) if isinstance(provider, str) else repr(provider)
-
-    def _call(self, what: str, fn: AsyncCall[T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the loop and wait; raise instead of blocking forever."""
-        self._portal.check_thread(what)
-        if self._closed:
-            raise MultilockError(f"{what}: {self!r} is closed")
-        return self._portal.call(fn, *args)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        """Release what is held, close a provider built from a URL, and end a private
-        loop thread. Idempotent; the object cannot be used again."""
-        self._portal.check_thread("close()")
-        with self._state:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            if self._portal.running:  # not after a fork, where the loop thread is gone
-                self._portal.call(self._aclose)
-        finally:
-            self._portal.close()
-
-    async def _aclose(self) -> None:
-        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------- Lock and Semaphore
@@ -143,13 +84,13 @@ async def _end(hold: _Hold) -> None:
     """Let the hold end (releasing) and raise what its exit raised."""
     assert hold.task is not None
     assert hold.release is not None
-    _settle(hold.release)
+    settle(hold.release, None)
     await asyncio.wait({hold.task})
     if not hold.task.cancelled() and (error := hold.task.exception()) is not None:
         raise error
 
 
-class _SyncHolder(_Facade):
+class _SyncHolder(Facade):
     """`Lock` and `Semaphore`: each ``with`` block, from any thread, is one holder."""
 
     def __init__(
@@ -161,20 +102,15 @@ class _SyncHolder(_Facade):
     ) -> None:
         super().__init__(provider, loop_factory)
         self._source = provider
-        self._make = make
+        self._make_holder = make
         self._name = name
         self._users = 0  # threads inside a block or entering one
         self._holds: dict[int, list[_Hold]] = {}  # by thread, innermost last
         self._tasks: set[asyncio.Task[None]] = set()  # on the loop thread only
-        self._holder: AsyncHolder | None
         self._provider: Provider | None
-        try:
-            self._portal.check_thread(f"{type(self).__name__}()")
-            self._holder, self._provider = self._portal.call(_build, make, provider)
-        except BaseException:
-            self._portal.close()
-            raise
-        self._timeout = self._holder.timeout
+        holder, self._provider = self._make(make, provider)
+        self._holder: AsyncHolder | None = holder
+        self._timeout = holder.timeout
 
     @property
     def name(self) -> str:
@@ -212,7 +148,7 @@ class _SyncHolder(_Facade):
         """Start the hold's task and return once it holds (or raise why it could not)."""
         loop = asyncio.get_running_loop()
         if self._holder is None:  # built from a URL and closed by the last block: rebuild
-            rebuilt, self._provider = await _build(self._make, self._source)
+            rebuilt, self._provider = await build(self._make_holder, self._source)
             self._holder = rebuilt
         holder = self._holder
         entered: asyncio.Future[Leadership] = loop.create_future()
@@ -275,7 +211,7 @@ class _SyncHolder(_Facade):
         """Let *hold* end (and release) without waiting for it."""
         if hold.release is not None:
             with contextlib.suppress(RuntimeError):  # the loop is gone, and the hold with it
-                self._portal.loop.call_soon_threadsafe(_settle, hold.release)
+                self._portal.loop.call_soon_threadsafe(settle, hold.release, None)
 
     def _leave(self) -> None:
         """One thread less; the last one out closes a provider built from a URL."""
@@ -309,10 +245,9 @@ class _SyncHolder(_Facade):
         if self._owns_provider and provider is not None:
             await provider.aclose()
 
-    def _describe(self) -> str:
+    def _describe(self, name: str, fields: str = "") -> str:
         held = sum(len(stack) for stack in list(self._holds.values()))  # no lock: a repr
-        closed = " closed" if self._closed else ""
-        return f"name={self._name!r} held={held}{closed} provider={self._where}"
+        return self._repr(name, f"{fields}name={self._name!r} held={held}", self._where)
 
 
 class Lock(_SyncHolder):
@@ -352,7 +287,7 @@ class Lock(_SyncHolder):
         return self._acquire()
 
     def __repr__(self) -> str:
-        return f"<multilock.core.sync.Lock {self._describe()}>"
+        return self._describe("Lock")
 
 
 class Semaphore(_SyncHolder):
@@ -394,38 +329,23 @@ class Semaphore(_SyncHolder):
         return held
 
     def __repr__(self) -> str:
-        return f"<multilock.core.sync.Semaphore limit={self._limit} {self._describe()}>"
+        return self._describe("Semaphore", f"limit={self._limit} ")
 
 
 # ---------------------------------------------------------------------- Shards
-def _require_plain(fn: object) -> None:
-    """Refuse an async function: called in a thread, it would only make a coroutine."""
-    if not callable(fn):
-        raise TypeError(f"run_for_each() needs a function; {describe_callable(fn)} is not callable")
-    if is_async_callable(fn):
-        raise TypeError(
-            "run_for_each() of multilock.core.sync.Shards calls fn(shard_leadership) in a "
-            f"thread, and {describe_callable(fn)} is an async function: calling it would only "
-            "create a coroutine that never runs. Await it through the async API instead: "
-            "await multilock.core.Shards(...).run_for_each(fn)"
-        )
-
-
 async def _run_for_each(shards: AsyncShards, fn: Callable[[ShardLeadership], object]) -> None:
     """``shards.run_for_each`` with *fn* in a thread per shard and term.
 
     If *fn* raises, leave the shards: every term ends, so the functions still running in
     other threads (which cancellation cannot reach) see ``lost`` and return; then raise.
     """
-    from .sync import _in_worker_thread  # here: multilock.core.sync imports this module
-
     loop = asyncio.get_running_loop()
     failed: list[Exception] = []
     leaving: list[asyncio.Task[None]] = []
 
     async def work(shard: ShardLeadership) -> None:
         try:
-            await _in_worker_thread(shard, fn)
+            await in_worker_thread(shard, fn)
         except Exception as exc:  # fn raised (a cancellation is not an Exception)
             if not failed:
                 failed.append(exc)
@@ -454,11 +374,7 @@ async def _wait_changed(shards: AsyncShards, within: float | None) -> bool:
     return True
 
 
-async def _on_loop(fn: Callable[[], T]) -> T:
-    return fn()
-
-
-class Shards(_Facade):
+class Shards(Lifetime):
     """*count* shards of *name* shared out among the live participants, for threads.
 
     ``with Shards(url, "name", 64) as shards:`` joins; ``shards.owned`` maps each shard
@@ -484,18 +400,11 @@ class Shards(_Facade):
         **options: Unpack[HolderFields],
     ) -> None:
         super().__init__(provider, loop_factory)
-        self._shards: AsyncShards
-        self._provider: Provider
 
         def make(built: Provider) -> AsyncShards:
             return AsyncShards(built, name, count, lease_duration=lease_duration, **options)
 
-        try:
-            self._portal.check_thread("Shards()")
-            self._shards, self._provider = self._portal.call(_build, make, provider)
-        except BaseException:
-            self._portal.close()
-            raise
+        self._shards, self._provider = self._make(make, provider)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -523,47 +432,26 @@ class Shards(_Facade):
     @property
     def owned(self) -> Mapping[int, ShardLeadership]:
         """A snapshot of the shards owned now (valid terms only), by index, in order."""
-        portal = self._portal
-        if self._closed or portal.in_loop_thread or not portal.running:
-            return dict(self._shards.owned)
-        return portal.call(_on_loop, lambda: dict(self._shards.owned))
+        return self._local(lambda: dict(self._shards.owned))
 
     def __repr__(self) -> str:
         shards = self._shards
-        closed = " closed" if self._closed else ""
-        return (
-            f"<multilock.core.sync.Shards name={shards.name!r} count={shards.count} "
-            f"share={shards.share} live={shards.live_participants}{closed} "
-            f"provider={self._where}>"
+        fields = (
+            f"name={shards.name!r} count={shards.count} share={shards.share} "
+            f"live={shards.live_participants}"
         )
+        return self._repr("Shards", fields, self._where)
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> Self:
-        try:
-            self._call("entering Shards", self._shards.__aenter__)
-        except BaseException:
-            if self._owns_provider:  # built from a URL: __exit__ will not run to close it
-                self.close()
-            raise
-        return self
+    def _begin(self) -> None:
+        self._call("entering Shards", self._shards.__aenter__)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._owns_provider:
-            self.close()  # built from a URL: nobody else can close it
-        elif not self._closed:
+    def _end(self) -> None:
+        if not self._closed:
             self._call("leaving Shards", self._shards.aclose)
 
-    async def _aclose(self) -> None:
-        try:
-            await self._shards.aclose()
-        finally:
-            if self._owns_provider:
-                await self._provider.aclose()
+    async def _stop(self) -> None:
+        await self._shards.aclose()
 
     # ------------------------------------------------------------------ waiting and work
     def wait_changed(self, timeout: float | None = None) -> bool:
@@ -585,16 +473,20 @@ class Shards(_Facade):
         If this wait is interrupted (KeyboardInterrupt), running calls are not told until
         the shards are left or closed, as leaving the ``with`` block does.
         """
-        from .sync import _Escaped  # here: multilock.core.sync imports this module
-
-        _require_plain(fn)
+        require_plain(
+            fn,
+            "run_for_each",
+            where="multilock.core.sync.Shards",
+            calls="fn(shard_leadership)",
+            instead="multilock.core.Shards",
+        )
         what = "run_for_each()"
         self._portal.check_thread(what)
         if self._closed:
             raise MultilockError(f"{what}: {self!r} is closed")
         try:
             self._portal.call(_run_for_each, self._shards, fn)
-        except _Escaped as escaped:
+        except Escaped as escaped:
             error = escaped.exc
         except (MultilockError, concurrent.futures.CancelledError):
             if self.closed:

@@ -60,15 +60,24 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Self, TypeVar, Unpack
 
-from ._calls import describe_callable, is_async_callable
 from ._election import LeaderElection as AsyncLeaderElection
-from ._errors import LeadershipLost, MultilockError
+from ._errors import MultilockError
 from ._events import EventStream
 from ._observe import Health
 from ._options import ElectionFields, ElectionOptions
-from ._portal import AsyncCall, BlockingPortal, LoopFactory
+from ._portal import BlockingPortal, LoopFactory
 from ._provider import Provider
 from ._signals import DEFAULT_SIGNALS
+from ._sync_base import (
+    Escaped,
+    Lifetime,
+    ended_by_loss,
+    in_worker_thread,
+    on_loop,
+    require_plain,
+    settle,
+    until_settled,
+)
 from ._sync_holders import Lock, Semaphore, Shards
 from ._types import (
     ElectionState,
@@ -80,7 +89,6 @@ from ._types import (
     RunResult,
     RunStatus,
 )
-from ._url import from_url
 
 __all__ = ["EventIterator", "LeaderElection", "Lock", "Semaphore", "Shards", "stop_on_signals"]
 
@@ -93,67 +101,6 @@ _elections: weakref.WeakSet[LeaderElection] = weakref.WeakSet()
 
 
 # ---------------------------------------------------------------------- work in threads
-class _Escaped(Exception):
-    """Carry a BaseException (SystemExit...) of user code through the loop unharmed."""
-
-    def __init__(self, exc: BaseException) -> None:
-        super().__init__(repr(exc))
-        self.exc = exc
-
-
-def _settle(future: asyncio.Future[T], value: T) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-async def _until_settled(done: asyncio.Future[T], leadership: Leadership) -> T:
-    """Wait for work running in a thread of *leadership*'s term, which cancellation cannot stop.
-
-    When cancelled (the term ended, or the caller gave up), keep waiting until the thread
-    is done, through any further cancellation, so that ``stop()``/``resign()`` release the
-    lease only after the work has stopped. A term can be cancelled twice: an interrupted
-    ``run_while_leader`` cancels it, then ``stop()`` does. The wait ends, and the
-    cancellation goes on, when the term's deadline passes (renewals move it while the term
-    holds): the lease may expire from then on anyway.
-    """
-    try:
-        return await asyncio.shield(done)
-    except asyncio.CancelledError:
-        clock = asyncio.get_running_loop().time  # the election's clock, as in _election.py
-        # Not ``time_left``, which is 0 once the term is lost: read the deadline itself.
-        while not done.done() and (left := leadership.deadline - clock()) > 0:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({done}, timeout=left)
-        raise
-
-
-def _ended_by_loss(exc: BaseException, leadership: Leadership) -> bool:
-    """True if *exc* is the `LeadershipLost` that ``leadership.check()`` raises at loss."""
-    return isinstance(exc, LeadershipLost) and not leadership.is_valid
-
-
-async def _in_worker_thread(leadership: Leadership, fn: Callable[..., object], *args: Any) -> None:
-    """Run ``fn(leadership, *args)`` in a new daemon thread and wait for it."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[BaseException | None] = loop.create_future()
-
-    def target() -> None:
-        outcome: BaseException | None = None
-        try:
-            fn(leadership, *args)
-        except BaseException as exc:
-            if not _ended_by_loss(exc, leadership):
-                outcome = exc
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
-            loop.call_soon_threadsafe(_settle, done, outcome)
-
-    name = f"multilock-leader-{leadership.group}-{leadership.token}"
-    threading.Thread(target=target, name=name, daemon=True).start()
-    error = await _until_settled(done, leadership)
-    if error is not None:
-        raise error if isinstance(error, Exception) else _Escaped(error)
-
-
 async def _hold_term(
     election: AsyncLeaderElection,
 ) -> tuple[asyncio.Task[RunResult[None]], Leadership | None, asyncio.Future[None]]:
@@ -168,57 +115,37 @@ async def _hold_term(
     finished: asyncio.Future[None] = loop.create_future()
 
     async def hold(leadership: Leadership) -> None:
-        _settle(held, leadership)
-        await _until_settled(finished, leadership)
+        settle(held, leadership)
+        await until_settled(finished, leadership)
 
     run = loop.create_task(election.run_if_leader(hold))
     either: set[asyncio.Future[Any]] = {held, run}
     try:
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # the caller was interrupted: fn will not run
-        _settle(finished, None)
+        settle(finished, None)
         run.cancel()
         raise
     return run, held.result() if held.done() else None, finished
 
 
 async def _finish(run: asyncio.Task[RunResult[None]], finished: asyncio.Future[None]) -> RunStatus:
-    _settle(finished, None)
+    settle(finished, None)
     return (await run).status
 
 
-async def _build(
-    provider: Provider | str, options: ElectionOptions | None, option_fields: ElectionFields
-) -> AsyncLeaderElection:
-    if not isinstance(provider, str):
-        return AsyncLeaderElection(provider, options, **option_fields)
-    built = from_url(provider)
-    try:
-        return AsyncLeaderElection(built, options, **option_fields)
-    except BaseException:
-        await built.aclose()
-        raise
-
-
 def _require_plain(fn: object, what: str) -> None:
-    """Refuse an async function: called in a thread, it would only make a coroutine."""
-    if not callable(fn):
-        raise TypeError(f"{what}() needs a function; {describe_callable(fn)} is not callable")
-    if is_async_callable(fn):
-        raise TypeError(
-            f"{what}() of multilock.core.sync calls fn(leadership, ...) in a thread, and "
-            f"{describe_callable(fn)} is an async function: calling it would only create a "
-            "coroutine that never runs. Await it through the async API instead: "
-            f"await multilock.core.LeaderElection(...).{what}(fn)"
-        )
-
-
-async def _on_loop(fn: Callable[..., T], *args: Any) -> T:
-    return fn(*args)
+    require_plain(
+        fn,
+        what,
+        where="multilock.core.sync",
+        calls="fn(leadership, ...)",
+        instead="multilock.core.LeaderElection",
+    )
 
 
 # ---------------------------------------------------------------------- the facade
-class LeaderElection:
+class LeaderElection(Lifetime):
     """Campaign for leadership of one group, with blocking methods, from any thread.
 
     *provider* is a `Provider` (never closed by this election) or a URL for
@@ -240,24 +167,13 @@ class LeaderElection:
         loop_factory: LoopFactory | None = None,
         **option_fields: Unpack[ElectionFields],
     ) -> None:
-        self._portal = BlockingPortal(loop_factory)
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._owns_provider = isinstance(provider, str)
-        try:
-            self._portal.check_thread("LeaderElection()")
-            self._election = self._portal.call(_build, provider, options, option_fields)
-        except BaseException:
-            self._portal.close()
-            raise
-        _elections.add(self)
+        super().__init__(provider, loop_factory)
 
-    def _call(self, what: str, fn: AsyncCall[T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the loop and wait; raise instead of blocking forever."""
-        self._portal.check_thread(what)
-        if self._closed:
-            raise MultilockError(f"{what}: {self!r} is closed")
-        return self._portal.call(fn, *args)
+        def make(built: Provider) -> AsyncLeaderElection:
+            return AsyncLeaderElection(built, options, **option_fields)
+
+        self._election, self._provider = self._make(make, provider)
+        _elections.add(self)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -290,18 +206,13 @@ class LeaderElection:
         """The current valid term, or None."""
         return self._election.leadership
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def __repr__(self) -> str:
         election = self._election
-        closed = " closed" if self._closed else ""
-        return (
-            f"<multilock.core.sync.LeaderElection group={election.group!r} "
-            f"participant_id={election.participant_id!r} state={election.state.value}"
-            f"{closed} provider={election.provider!r}>"
+        fields = (
+            f"group={election.group!r} participant_id={election.participant_id!r} "
+            f"state={election.state.value}"
         )
+        return self._repr("LeaderElection", fields, repr(election.provider))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -322,43 +233,16 @@ class LeaderElection:
 
         Idempotent. The election cannot be started again.
         """
-        self._portal.check_thread("close()")
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        try:
-            if self._portal.running:  # not after a fork, where the loop thread is gone
-                self._portal.call(self._aclose)
-        finally:
-            self._portal.close()
+        super().close()
 
-    async def _aclose(self) -> None:
-        try:
-            await self._election.stop()
-        finally:
-            if self._owns_provider:
-                await self._election.provider.aclose()
+    async def _stop(self) -> None:
+        await self._election.stop()
 
-    def __enter__(self) -> Self:
-        try:
-            self.start()
-        except BaseException:
-            if self._owns_provider:  # built from a URL: __exit__ will not run to close it
-                self.close()
-            raise
-        return self
+    def _begin(self) -> None:
+        self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._owns_provider:
-            self.close()  # built from a URL: nobody else can close it
-        else:
-            self.stop()
+    def _end(self) -> None:
+        self.stop()
 
     # ------------------------------------------------------------------ waiting and work
     def wait_until_leader(self, timeout: float | None = None) -> Leadership:
@@ -386,8 +270,8 @@ class LeaderElection:
         _require_plain(fn, "run_while_leader")
         run = self._election.run_while_leader
         try:
-            self._call("run_while_leader()", run, _in_worker_thread, fn, *args)
-        except _Escaped as escaped:
+            self._call("run_while_leader()", run, in_worker_thread, fn, *args)
+        except Escaped as escaped:
             exc = escaped.exc
         else:
             return
@@ -409,7 +293,7 @@ class LeaderElection:
             value = fn(leadership, *args)
         except BaseException as exc:
             self._finish_run(run, finished)
-            if _ended_by_loss(exc, leadership):
+            if ended_by_loss(exc, leadership):
                 return RunResult(status=RunStatus.LOST)
             raise
         valid = leadership.is_valid
@@ -442,7 +326,7 @@ class LeaderElection:
         It is subscribed at once, so no event after this call is missed; it ends when the
         election next stops, or when closed.
         """
-        stream = self._call("events()", _on_loop, self._election.events, kinds)
+        stream = self._call("events()", on_loop, self._election.events, kinds)
         return EventIterator(self._portal, stream)
 
     def statistics(self) -> ElectionStatistics:
@@ -453,12 +337,6 @@ class LeaderElection:
         """Healthy while following, or while leading with renewals on time (see
         `multilock.core.LeaderElection.health`); safe from any thread."""
         return self._local(self._election.health)
-
-    def _local(self, fn: Callable[[], T]) -> T:
-        portal = self._portal
-        if self._closed or portal.in_loop_thread or not portal.running:
-            return fn()
-        return portal.call(_on_loop(fn))
 
 
 class stop_on_signals:

@@ -63,44 +63,39 @@ invalid with time); the entries' checks run at every iteration.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
-import hashlib
 import logging
 import math
 import os
 import random
 import sys
-import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, Literal, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import attrs
 
 from .._election import LeaderElection
 from .._errors import LeadershipLost, MultilockError
 from .._lock import AcquireTimeout, Semaphore, SemaphoreSlot
-from .._memory import InMemoryProvider
 from .._observe import ElectionObserver, add_observer, remove_observer
 from .._provider import Provider
 from .._shards import ShardLeadership, Shards
 from .._types import ElectionState, Leadership
-from ._clock import FakeClock
 from ._simulator import (
-    SimulationConfig,
     SimulationFailure,
     StoreFactory,
-    _Abort,
-    _describe_seeds,
-    _Ledger,
+    _campaign,
+    _campaign_parser,
+    _campaign_seeds,
+    _draw_timing,
     _Link,
-    _parse_seeds,
-    _SimLoop,
-    _Simulation,
+    _SimulatedWorkError,
+    _Work,
+    _World,
 )
 
 __all__ = [
@@ -209,7 +204,6 @@ class _Seat:
     renew: float
     retry: float
     link: _Link
-    link_name: str
     crashed: bool = False
     crashed_at: float = 0.0
     #: Semaphore: the object several entries of this participant share (no timeout).
@@ -252,14 +246,7 @@ class _Session:
     entered: bool = False
     closing: bool = False
 
-
-@attrs.define(eq=False)
-class _Work:
-    src: str
-    view: Leadership
-    cancelled: bool = False
-    finished: bool = False
-    invalid_since: float | None = None
+    cancel_note = "cancelled from outside"
 
 
 @attrs.define(eq=False)
@@ -288,15 +275,11 @@ def _unawaited(caught: warnings.WarningMessage) -> bool:
     )
 
 
-class _SimulatedWorkError(Exception):
-    """Raised by run_for_each work on purpose."""
-
-
 class _Observer(ElectionObserver):
     """Hears every election of the run: which entry or membership started it, when it
     stops, and every term it begins and ends."""
 
-    def __init__(self, world: _World) -> None:
+    def __init__(self, world: _HoldersWorld) -> None:
         self._world = world
 
     def started(self, election: LeaderElection) -> None:
@@ -318,7 +301,7 @@ class _FailureLog(logging.Handler):
     """Turns an ERROR logged by the core during a run (a failed internal task of the
     shards, a raising observer) into a broken invariant."""
 
-    def __init__(self, world: _World) -> None:
+    def __init__(self, world: _HoldersWorld) -> None:
         super().__init__(logging.ERROR)
         self._world = world
 
@@ -331,39 +314,18 @@ class _FailureLog(logging.Handler):
 
 
 # ---------------------------------------------------------------------- the world
-class _World:
-    """One run. It offers what the election simulator's `_Link` and `_Ledger` use of their
-    simulation (``lease``, ``now()``, ``trace()``, ``fault_level``, ``faults``, ``ledger``,
-    ``refused``, ``doomed``, ``strict_store``, ``store_violation()``, ``spawn_zombie()``)."""
+class _HoldersWorld(_World[HoldersConfig]):
+    """One run of a semaphore or shards world."""
 
     def __init__(self, config: HoldersConfig, store: StoreFactory | None, lines: int) -> None:
-        self.config = config
+        seed = f"multilock-sim-holders:{config.kind}:{config.seed}"
+        super().__init__(config, store, lines, seed=seed)
         self.kind = config.kind
         self.name = "s" if config.kind == "semaphore" else "w"
         self.size = config.limit if config.kind == "semaphore" else config.count
         assert self.size is not None
-        self.lease = config.lease_duration
-        self.clock = FakeClock()
-        self.t0 = self.clock.now
-        self.rng = random.Random(f"multilock-sim-holders:{config.kind}:{config.seed}")
-        self.store_factory = store
-        self.strict_store = store is None
-        self.trace_lines = lines
-        self.fault_level = config.faults
-        self.faults: Counter[str] = Counter()
-        self.refused: dict[tuple[int, int], float] = {}  # (the election simulator's)
-        self.doomed: set[tuple[str, int]] = set()  # (no failover here: stays empty)
-        self.ledger = _Ledger(cast(_Simulation, self))
-        self.pending_store: list[str] = []
-        self.store: Provider = InMemoryProvider()  # replaced in _build
-        self.lines: list[tuple[float, str, int, str]] = []
-        self.full_trace: list[str] = []
-        self.seq = 0
-        self.step = 0
-        self.failure: tuple[str, float, int] | None = None
         self.seats: list[_Seat] = []
         self.seat_of: dict[Provider, _Seat] = {}
-        self.links = 0
         self.dead_links: set[str] = set()
         self.session_seq = 0
         #: Every started election not yet stopped, and the session that started it.
@@ -388,7 +350,6 @@ class _World:
         self.free_since: dict[str, float] = {}
         self.actions: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()
-        self.cancellations = 0
         self.crashes = 0
         self.terms = 0
         self.holds = 0
@@ -399,57 +360,17 @@ class _World:
         self.episode_end = 0.0
         #: The last membership change or late write: a quiet period starts after it.
         self.disturbed = self.clock.now
-        self.checking = False
-        self.closing = False
-        self.abort_at: float | None = None
-        self.loop_errors: list[str] = []
         self.warnings: list[warnings.WarningMessage] = []
         self.warnings_seen = 0
-        self.own_tasks: set[asyncio.Task[Any]] = set()
-        self.max_lease = self.lease
         self.exit_bound = 3 * self.lease
-        self.call_bound = 12 * self.lease + 2.0
 
     # -- what the links use, and utilities
-    def now(self) -> float:
-        return self.clock.now
-
     def trace(self, src: str, text: str) -> None:
-        if src in self.dead_links:
-            return  # a crashed participant's calls into its cut link: noise
-        self.seq += 1
-        self.lines.append((self.clock.now, src, self.seq, text))
+        if src not in self.dead_links:  # a crashed participant's calls into its cut link: noise
+            super().trace(src, text)
 
-    def canonical_trace(self) -> list[str]:
-        # As in the election simulator: sources write their own lines in order, and tasks
-        # woken in one iteration may run in an order that depends on memory addresses.
-        ordered = sorted(self.lines, key=lambda line: (line[0], line[1], line[2]))
-        return [f"{t - self.t0:14.6f} {src:<10} {text}" for t, src, _, text in ordered]
-
-    def failed(self) -> bool:
-        return self.failure is not None
-
-    def fail(self, message: str) -> None:
-        if self.failure is None:
-            self.failure = (message, self.clock.now, self.step)
-            self.trace("CHECK", f"VIOLATION: {message}")
-
-    def store_violation(self, message: str) -> None:
-        self.pending_store.append(message)
-
-    def spawn_zombie(
-        self, link: str, method: str, delay: float, op: Callable[[], Coroutine[Any, Any, Any]]
-    ) -> None:
-        async def land() -> None:
-            await asyncio.sleep(delay)
-            self.trace(link, f"{method}: a write whose caller gave up lands now")
-            self._disturb()
-            await op()
-
-        self.faults["late write"] += 1
-        task = asyncio.get_running_loop().create_task(land(), name=f"sim:late-{method}")
-        self.own_tasks.add(task)
-        task.add_done_callback(self.own_tasks.discard)
+    def _landing(self) -> None:
+        self._disturb()
 
     def _disturb(self) -> None:
         """A membership change or a late write: a quiet period starts after it."""
@@ -476,56 +397,11 @@ class _World:
         return election.participant_id if session is None else session.src
 
     # -- the run
-    def run(self) -> HoldersReport:
-        saved_random = random.getstate()
-        random.seed(f"multilock-sim-holders-core:{self.config.kind}:{self.config.seed}")
-        logger = logging.getLogger("multilock")
-        saved_level = logger.level
-        logger.setLevel(logging.ERROR)
-        handler = _FailureLog(self)
-        logger.addHandler(handler)
-        observer = _Observer(self)
-        add_observer(observer)
-        loop = _SimLoop(self.clock, self._tick)
-        loop.set_exception_handler(self._loop_error)
-        try:
-            with warnings.catch_warnings(record=True) as self.warnings:
-                warnings.simplefilter("always")
-                main = loop.create_task(self._drive(), name="sim:driver")
-                try:
-                    loop.run_until_complete(main)
-                except _Abort as exc:
-                    self.fail(str(exc))
-                finally:
-                    try:
-                        self._teardown(loop)
-                    finally:
-                        gc.collect()  # a coroutine dropped in a cycle warns now
-                        self._check_warnings()
-        finally:
-            remove_observer(observer)
-            logger.removeHandler(handler)
-            logger.setLevel(saved_level)
-            random.setstate(saved_random)
-        for caught in self.warnings:  # the others, as if the run had not caught them
-            if not _unawaited(caught):
-                warnings.warn_explicit(
-                    caught.message, caught.category, caught.filename, caught.lineno
-                )
-        trace = self.canonical_trace()
-        if self.failure is not None:
-            message, at, step = self.failure
-            raise SimulationFailure(
-                message,
-                # A HoldersConfig has what the failure uses of it: its seed and reproduce().
-                config=cast(SimulationConfig, self.config),
-                step=step,
-                at=at - self.t0,
-                trace=trace[-self.trace_lines :],
-            )
-        self.full_trace = trace
+    def run(self, *, keep_trace: bool) -> HoldersReport:
+        config = self.config
+        digest = self._run(f"multilock-sim-holders-core:{config.kind}:{config.seed}", logging.ERROR)
         return HoldersReport(
-            config=self.config,
+            config=config,
             steps=self.step,
             virtual_seconds=self.clock.now - self.t0,
             terms=self.terms,
@@ -537,9 +413,35 @@ class _World:
             crashes=self.crashes,
             faults=dict(self.faults),
             settled=self.settled,
-            trace_digest=hashlib.sha256("\n".join(trace).encode()).hexdigest(),
+            trace_digest=digest,
+            trace=tuple(self.full_trace) if keep_trace else (),
             loop_errors=tuple(self.loop_errors),
         )
+
+    @contextlib.contextmanager
+    def _watching(self, logger: logging.Logger) -> Iterator[None]:
+        """Hear every election (`_Observer`), every ERROR the core logs (`_FailureLog`) and
+        every coroutine it drops unawaited, over the run and its teardown."""
+        handler = _FailureLog(self)
+        logger.addHandler(handler)
+        observer = _Observer(self)
+        add_observer(observer)
+        try:
+            with warnings.catch_warnings(record=True) as self.warnings:
+                warnings.simplefilter("always")
+                try:
+                    yield
+                finally:
+                    gc.collect()  # a coroutine dropped in a cycle warns now
+                    self._check_warnings()
+        finally:
+            remove_observer(observer)
+            logger.removeHandler(handler)
+        for caught in self.warnings:  # the others, as if the run had not caught them
+            if not _unawaited(caught):
+                warnings.warn_explicit(
+                    caught.message, caught.category, caught.filename, caught.lineno
+                )
 
     def _check_warnings(self) -> None:
         """A coroutine created and dropped unawaited (a provider call made but never run)
@@ -552,58 +454,24 @@ class _World:
 
     def _teardown(self, loop: asyncio.AbstractEventLoop) -> None:
         """Cancel what is left (crashed participants' tasks...) and close the loop."""
-        self.checking = False
         self.closing = True
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        if pending:
-            self.abort_at = self.clock.now + 100 * self.max_lease
-            for task in pending:
-                task.cancel()
-            with contextlib.suppress(_Abort):
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        self.abort_at = self.clock.now + 100 * self.max_lease
-        with contextlib.suppress(_Abort):
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
-
-    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        self.loop_errors.append(f"{context.get('message')}: {context.get('exception')!r}")
+        super()._teardown(loop)
 
     async def _drive(self) -> None:
         self._build()
         self.checking = True
         self._storm()
-        for step in range(1, self.config.steps + 1):
-            self.step = step
-            if self.now() >= self.episode_end:
-                if self.quiet:
-                    self._storm()
-                else:
-                    self._quiet()
-            self._act()
-            await self._advance()
-            if not self.failed():
-                self._step_checks()
-            if self.failed():
-                return
-        await self._finish()
+        if await self._play():
+            await self._finish()
 
     def _build(self) -> None:
         config, rng = self.config, self.rng
-        self.store = (
-            InMemoryProvider(clock=self.clock.monotonic)
-            if self.store_factory is None
-            else self.store_factory(self.clock.monotonic)
-        )
+        self._make_store()
         for i in range(config.participants):
-            # A hair apart, so that no two participants' timers fall due at one instant.
-            lease = round(self.lease * (1 + 0.001 * i), 6)
-            renew = round(rng.uniform(0.15, 0.45) * lease, 4)
-            retry = round(rng.uniform(0.25, 1.0) * lease, 4)
-            link, link_name = self._new_link()
+            lease, renew, retry = self._timings(i)
             seat = _Seat(
                 index=i, generation=0, pid=f"p{i}", lease=lease, renew=renew, retry=retry,
-                link=link, link_name=link_name,
+                link=self._new_link(),
             )  # fmt: skip
             self._seat(seat)
             self.trace("sim", f"{seat.name}: lease {lease} renew {renew} retry {retry}")
@@ -616,14 +484,6 @@ class _World:
             for seat in self.seats:
                 if rng.random() < 0.8:
                     self._join(seat)
-
-    def _new_link(self) -> tuple[_Link, str]:
-        """A participant's faulty link to the shared store, and its name in the trace."""
-        index, self.links = self.links, self.links + 1
-        link = _Link(
-            cast(_Simulation, self), index, self.store, random.Random(self.rng.getrandbits(64))
-        )
-        return link, f"net{index}"
 
     def _seat(self, seat: _Seat) -> None:
         if seat.index < len(self.seats):
@@ -649,20 +509,6 @@ class _World:
         seat.sessions.append(session)
         self.actions[what] += 1
         return session
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self.own_tasks.add(task)
-        task.add_done_callback(self.own_tasks.discard)
-        return task
-
-    async def _advance(self) -> None:
-        rng = self.rng
-        if rng.random() < 0.2:
-            for _ in range(rng.randrange(1, 4)):
-                await asyncio.sleep(0)
-        else:
-            await asyncio.sleep(min(rng.expovariate(1 / (0.1 * self.lease)), 3 * self.lease))
 
     # -- episodes
     def _storm(self) -> None:
@@ -691,6 +537,11 @@ class _World:
 
     # -- actions
     def _act(self) -> None:
+        if self.now() >= self.episode_end:
+            if self.quiet:
+                self._storm()
+            else:
+                self._quiet()
         rng = self.rng
         table = _SEMAPHORE_ACTIONS if self.kind == "semaphore" else _SHARDS_ACTIONS
         kind = rng.choices([n for n, _ in table], weights=[w for _, w in table])[0]
@@ -743,38 +594,13 @@ class _World:
         return joined
 
     def _partition(self, seat: _Seat) -> None:
-        span = self.rng.uniform(0.2, 2.0) * self.lease
-        seat.link.cut_until = max(seat.link.cut_until, self.now() + span)
-        seat.link.cut_mode = self.rng.choice(("hang", "raise"))
-        self.faults["cut off"] += 1
         self.actions["partition"] += 1
-        self.trace(seat.name, f"cut off from the store for {span:.3f} s ({seat.link.cut_mode})")
+        self._cut_off(seat.name, seat.link, extend=True)
 
-    def _maybe_cancel(self, session: _Session, *, rate: float | None = None) -> None:
-        rng = self.rng
-        if rng.random() >= (self.config.cancel_rate if rate is None else rate):
-            return
-        if rng.random() < 0.5:
-            self._cancel_in(session, rng.randrange(0, 8))
-        else:
-            asyncio.get_running_loop().call_later(
-                rng.uniform(0, 3 * self.lease), self._cancel, session
-            )
-
-    def _cancel_in(self, session: _Session, iterations: int) -> None:
-        if iterations <= 0:
-            self._cancel(session)
-        else:
-            asyncio.get_running_loop().call_soon(self._cancel_in, session, iterations - 1)
-
-    def _cancel(self, session: _Session) -> None:
-        task = session.task
-        if task is None or task.done() or self.closing:
-            return
-        session.cancelled = True
-        self.cancellations += 1
-        self.trace(session.src, "cancelled from outside")
-        task.cancel()
+    def _may_cancel(self, session: _Session, rate: float | None = None) -> None:
+        """Perhaps cancel *session* from outside, within 3 leases."""
+        rate = self.config.cancel_rate if rate is None else rate
+        self._maybe_cancel(session, rate, 3 * self.lease)
 
     # -- the semaphore world
     def _enter(self, seat: _Seat) -> None:
@@ -802,7 +628,7 @@ class _World:
         self.entries.append(session)
         task.add_done_callback(lambda _: self._entry_done(session))
         if not self.closing:
-            self._maybe_cancel(session)
+            self._may_cancel(session)
 
     async def _hold(
         self, session: _Session, semaphore: Semaphore, hold: float, mode: str, rng: random.Random
@@ -906,14 +732,6 @@ class _World:
             self.trace(session.src, f"the block ignores its cancellation for {ignore:.3f} s")
             await self._ignore_cancellation(ignore)
             raise
-
-    async def _ignore_cancellation(self, seconds: float) -> None:
-        end = self.now() + seconds
-        while self.now() < end:
-            try:
-                await asyncio.sleep(end - self.now())
-            except asyncio.CancelledError:
-                continue
 
     def _entry_done(self, session: _Session) -> None:
         session.phase = "done"
@@ -1057,7 +875,7 @@ class _World:
         leaver.task = self._spawn(leave(), f"sim-leave:{session.src}")
         leaver.task.add_done_callback(done)
         self.leavers.append(leaver)
-        self._maybe_cancel(leaver)
+        self._may_cancel(leaver)
 
     def _left(self, session: _Session) -> None:
         seat = session.seat
@@ -1072,7 +890,7 @@ class _World:
         seat.crashed, seat.crashed_at = True, self.now()
         seat.link.cut_until = math.inf
         seat.link.cut_mode = self.rng.choice(("hang", "raise"))
-        self.dead_links.add(seat.link_name)
+        self.dead_links.add(seat.link.name)
         for session in seat.sessions:
             session.exempt = True
         self.crashes += 1
@@ -1081,10 +899,9 @@ class _World:
         self.trace(seat.name, f"crashes: its link is cut for good ({seat.link.cut_mode})")
 
     def _restart(self, old: _Seat) -> None:
-        link, link_name = self._new_link()
         seat = _Seat(
             index=old.index, generation=old.generation + 1, pid=old.pid, lease=old.lease,
-            renew=old.renew, retry=old.retry, link=link, link_name=link_name,
+            renew=old.renew, retry=old.retry, link=self._new_link(),
         )  # fmt: skip
         self._seat(seat)
         self.actions["restart"] += 1
@@ -1155,7 +972,7 @@ class _World:
         loop.task = self._spawn(run(), f"sim-work:{loop.src}")
         self.loops.append(loop)
         proxy = _Session(id=0, seat=seat, src=loop.src, began=self.now(), task=loop.task)
-        self._maybe_cancel(proxy, rate=self.config.cancel_rate / 2)
+        self._may_cancel(proxy, self.config.cancel_rate / 2)
 
     def _wait_changed(self, seat: _Seat) -> None:
         session = seat.member
@@ -1340,15 +1157,7 @@ class _World:
             )
 
     # -- invariants
-    def _tick(self, idle: bool) -> None:
-        """Called by the event loop at every iteration, before it waits or jumps."""
-        now = self.clock.now
-        if self.abort_at is not None and now > self.abort_at:
-            raise _Abort("the simulation could not wind down (tasks ignore cancellation)")
-        if idle:
-            raise _Abort("deadlock: no task can make progress and no timer is scheduled")
-        if not self.checking or self.failed():
-            return
+    def _check_iteration(self, now: float) -> None:
         if self.warnings_seen < len(self.warnings):
             self._check_warnings()
         # Two owners can only begin at a term's start (an event), a view only turns invalid
@@ -1362,7 +1171,8 @@ class _World:
             self._check_entries(now)
         if self.failed():
             return
-        self._check_works(now)
+        if self.works:
+            self.works = self._check_works(self.works, now, "work")
         if not self.failed():
             self._check_exits(now)
 
@@ -1380,34 +1190,13 @@ class _World:
             if not self.strict_store:
                 continue
             election, leadership = leaders[0]
-            if not self.ledger.holds(group, election.participant_id, leadership.token, now):
-                live = self.ledger.live(group, now)
-                held = "nothing" if live is None else f"token {live[0]} of {live[1].pid}"
+            held = self._held_instead(group, election.participant_id, leadership.token, now)
+            if held is not None:
                 self.fail(
                     f"{self._who(election)} holds {self._what(group)} with token "
                     f"{leadership.token} but the store holds {held}"
                 )
                 return
-
-    def _check_works(self, now: float) -> None:
-        if not self.works:
-            return
-        alive = []
-        for work in self.works:
-            if work.finished:
-                continue
-            alive.append(work)
-            if work.cancelled or work.view.is_valid:
-                continue
-            if work.invalid_since is None:
-                work.invalid_since = now
-            elif now - work.invalid_since > 0.001:
-                self.fail(
-                    f"work {work.src} of token {work.view.token} still runs "
-                    f"{now - work.invalid_since:.4f} s after its term ended, not cancelled"
-                )
-                return
-        self.works = alive
 
     def _check_exits(self, now: float) -> None:
         """Everything an ended entry or membership started stops within a bound."""
@@ -1436,11 +1225,7 @@ class _World:
                 return
         self.ended = still
 
-    def _step_checks(self) -> None:
-        now = self.now()
-        if self.pending_store:
-            self.fail(self.pending_store[0])
-            return
+    def _check_step(self, now: float) -> None:
         self._check_warnings()
         for entry in self.entries:
             timeout = entry.timeout
@@ -1549,20 +1334,13 @@ def _resolve(
         drawn_participants, drawn_size = rng.randint(2, 6), rng.randint(1, 3)
     else:
         drawn_participants, drawn_size = rng.randint(2, 5), rng.randint(2, 12)
-    drawn_lease = round(rng.uniform(1.0, 2.0), 3)
-    drawn_faults = rng.choice((0.0, 0.1, 0.3, 0.6, 1.0))
-    drawn_cancel = rng.choice((0.1, 0.3, 0.5))
     n = drawn_participants if participants is None else participants
     size = drawn_size if (limit if kind == "semaphore" else count) is None else (limit or count)
-    lease = drawn_lease if lease_duration is None else float(lease_duration)
-    level = drawn_faults if faults is None else float(faults)
-    cancel = drawn_cancel if cancel_rate is None else float(cancel_rate)
     if steps < 0:
         raise ValueError("steps must be >= 0")
     if n < 1 or size is None or not 1 <= size <= 10_000:
         raise ValueError("need at least 1 participant and a limit or count of 1 to 10000")
-    if not (0 <= level <= 1 and 0 <= cancel <= 1 and lease >= 0.5):
-        raise ValueError("faults and cancel_rate must be in [0, 1], lease_duration >= 0.5")
+    lease, level, cancel = _draw_timing(rng, lease_duration, faults, cancel_rate, min_lease=0.5)
     return HoldersConfig(
         seed=seed,
         steps=steps,
@@ -1618,22 +1396,7 @@ def simulate_holders(
         cancel_rate=cancel_rate,
         custom_store=store is not None,
     )
-    world = _World(config, store, trace_lines)
-    report = world.run()
-    if keep_trace:
-        report = attrs.evolve(report, trace=tuple(world.full_trace))
-    return report
-
-
-def _run_one(
-    seed: int, steps: int, kind: HolderKind
-) -> tuple[int, HolderKind, HoldersReport | SimulationFailure, float]:
-    began = time.perf_counter()
-    try:
-        outcome: HoldersReport | SimulationFailure = simulate_holders(seed, steps=steps, kind=kind)
-    except SimulationFailure as failure:
-        outcome = failure
-    return seed, kind, outcome, time.perf_counter() - began
+    return _HoldersWorld(config, store, trace_lines).run(keep_trace=keep_trace)
 
 
 def run_holder_simulations(
@@ -1646,74 +1409,42 @@ def run_holder_simulations(
 ) -> list[SimulationFailure]:
     """Simulate every seed in every kind of world (in *jobs* processes); print a line per
     run and a summary; return the failures (each printed in full as it comes)."""
-    runs = [(seed, kind) for seed in seeds for kind in kinds]
-    failures: list[SimulationFailure] = []
-    failed: list[str] = []
-    total = 0
-    began = time.perf_counter()
-
-    def report(
-        seed: int, kind: str, outcome: HoldersReport | SimulationFailure, seconds: float
-    ) -> None:
-        nonlocal total
-        if isinstance(outcome, SimulationFailure):
-            failures.append(outcome)
-            failed.append(f"{kind} {seed}")
-            total += outcome.step
-            out(f"{kind} seed {seed}: FAILED at step {outcome.step} ({seconds:.2f} s)\n{outcome}\n")
-            return
-        total += outcome.steps
-        c = outcome.config
-        size = f"limit {c.limit}" if c.kind == "semaphore" else f"{c.count} shards"
-        out(
-            f"{kind} seed {seed}: ok, {outcome.steps} steps, {c.participants} participants, "
-            f"{size}, lease {c.lease_duration} s, faults {c.faults}, {outcome.terms} terms, "
-            f"{outcome.settled} settled, {outcome.crashes} crashes, "
-            f"{outcome.virtual_seconds:.0f} virtual s ({seconds:.2f} s)"
-        )
-
-    if jobs <= 1:
-        for seed, kind in runs:
-            report(*_run_one(seed, steps, kind))
-    else:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            results = pool.map(
-                _run_one, [s for s, _ in runs], [steps] * len(runs), [k for _, k in runs],
-                chunksize=1,
-            )  # fmt: skip
-            for result in results:
-                report(*result)
-    seed_list = list(dict.fromkeys(seed for seed, _ in runs))
-    summary = (
-        f"simulated {total} steps of {', '.join(kinds)} over {len(seed_list)} seeds "
-        f"({_describe_seeds(seed_list)}) in {time.perf_counter() - began:.1f} s with "
-        f"{jobs} job(s): "
+    runs = [
+        (f"{kind} seed {seed}", f"{kind} {seed}", seed, {"steps": steps, "kind": kind})
+        for seed in seeds
+        for kind in kinds
+    ]
+    return _campaign(
+        simulate_holders,
+        runs,
+        describe=_describe_report,
+        seeds=list(dict.fromkeys(seed for _, _, seed, _ in runs)),
+        what=f" of {', '.join(kinds)}",
+        jobs=jobs,
+        out=out,
     )
-    if failures:
-        summary += f"{len(failures)} FAILED ({', '.join(failed)})"
-    else:
-        summary += "every invariant held"
-    out(summary)
-    return failures
+
+
+def _describe_report(report: HoldersReport) -> str:
+    c = report.config
+    size = f"limit {c.limit}" if c.kind == "semaphore" else f"{c.count} shards"
+    return (
+        f"{report.steps} steps, {c.participants} participants, {size}, "
+        f"lease {c.lease_duration} s, faults {c.faults}, {report.terms} terms, "
+        f"{report.settled} settled, {report.crashes} crashes, "
+        f"{report.virtual_seconds:.0f} virtual s"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line of long campaigns (``nox -s simulate_holders``)."""
-    parser = argparse.ArgumentParser(
-        description="Deterministic simulation of multilock semaphores and shards."
-    )
-    parser.add_argument(
-        "--total-steps",
-        type=int,
-        default=int(os.environ.get("MULTILOCK_SIM_HOLDERS_STEPS", "400000")),
-        help="steps in all, over every kind (env MULTILOCK_SIM_HOLDERS_STEPS; default 400,000)",
-    )
-    parser.add_argument(
-        "--seeds",
-        default=os.environ.get("MULTILOCK_SIM_HOLDERS_SEEDS", "0"),
-        help="first seed N, a range A:B or a list A,B,C (env MULTILOCK_SIM_HOLDERS_SEEDS)",
+    parser = _campaign_parser(
+        "Deterministic simulation of multilock semaphores and shards.",
+        "MULTILOCK_SIM_HOLDERS",
+        total_steps=400_000,
+        steps=1000,
+        per="run",
+        over=", over every kind",
     )
     parser.add_argument(
         "--kind",
@@ -1721,16 +1452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.environ.get("MULTILOCK_SIM_HOLDERS_KIND", "both"),
         help="which world (env MULTILOCK_SIM_HOLDERS_KIND; default both)",
     )
-    parser.add_argument("--steps", type=int, default=1000, help="steps per run (default 1000)")
-    parser.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: every CPU)"
-    )
     args = parser.parse_args(argv)
     kinds: tuple[HolderKind, ...] = _KINDS if args.kind == "both" else (args.kind,)
-    seeds = _parse_seeds(args.seeds)
-    if isinstance(seeds, int):
-        runs = max(1, math.ceil(args.total_steps / max(args.steps, 1)))
-        seeds = list(range(seeds, seeds + max(1, runs // len(kinds))))
+    seeds = _campaign_seeds(args, runs_per_seed=len(kinds))
     failures = run_holder_simulations(seeds, steps=args.steps, kinds=kinds, jobs=args.jobs)
     return 1 if failures else 0
 

@@ -70,8 +70,16 @@ import selectors
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import (
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
 
@@ -121,6 +129,32 @@ _UNSET = object()
 
 
 # ---------------------------------------------------------------------- public records
+class _Replayable(Protocol):
+    """What a `SimulationFailure` uses of its run's configuration (`SimulationConfig`, or
+    the holders' `HoldersConfig`)."""
+
+    @property
+    def seed(self) -> int: ...
+
+    def reproduce(self) -> str: ...
+
+
+class _RunConfig(_Replayable, Protocol):
+    """What every simulated world reads of its configuration."""
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def lease_duration(self) -> float: ...
+
+    @property
+    def faults(self) -> float: ...
+
+
+_ConfigT = TypeVar("_ConfigT", bound=_RunConfig)
+
+
 @attrs.frozen(kw_only=True)
 class SimulationConfig:
     """Everything that shapes one run; fields left unset in `simulate` come from the seed."""
@@ -180,7 +214,7 @@ class SimulationFailure(AssertionError):
         self,
         invariant: str,
         *,
-        config: SimulationConfig,
+        config: _Replayable,
         step: int,
         at: float,
         trace: Sequence[str],
@@ -209,7 +243,7 @@ class SimulationFailure(AssertionError):
 
 
 def _rebuild_failure(
-    invariant: str, config: SimulationConfig, step: int, at: float, trace: Sequence[str]
+    invariant: str, config: _Replayable, step: int, at: float, trace: Sequence[str]
 ) -> SimulationFailure:
     return SimulationFailure(invariant, config=config, step=step, at=at, trace=trace)
 
@@ -295,10 +329,32 @@ class _Call:
     task: asyncio.Task[None] | None = None
     works: int = 0
     work_value: str | None = None
+    cancelled: bool = False
+
+    @property
+    def cancel_note(self) -> str:
+        return f"cancel {self.kind}()"
+
+
+class _Cancellable(Protocol):
+    """What the simulator may cancel from outside: a user call, an entry, a leave..."""
+
+    src: str
+    cancelled: bool
+
+    @property
+    def task(self) -> asyncio.Task[None] | None: ...
+
+    @property
+    def cancel_note(self) -> str:
+        """The trace line of its cancellation."""
+        ...
 
 
 @attrs.define(eq=False)
 class _Work:
+    """Leader work running for a term; it must be cancelled as soon as the term ends."""
+
     src: str
     leadership: Leadership
     cancelled: bool = False
@@ -334,7 +390,7 @@ class _SimulatedWorkError(Exception):
 class _Ledger:
     """What the store must hold, from every reply it gave; and the watch notifications."""
 
-    def __init__(self, sim: _Simulation) -> None:
+    def __init__(self, sim: _World[Any]) -> None:
         self._sim = sim
         self.leases: dict[str, dict[int, _Lease]] = {}
         self.top: dict[str, int] = {}
@@ -438,10 +494,11 @@ class _Ledger:
 class _Link(Provider):
     """One election's faulty connection to the shared store."""
 
-    def __init__(self, sim: _Simulation, index: int, inner: Provider, rng: random.Random) -> None:
+    def __init__(self, sim: _World[Any], index: int, inner: Provider, rng: random.Random) -> None:
         self._sim = sim
         self._index = index
-        self._name = f"net{index}"
+        #: The link's name in the trace.
+        self.name = f"net{index}"
         # Watchers of one lease would all wake at its expiry, on timers due at the same
         # instant; the loop runs such timers in an order that depends on its heap's history.
         # A microsecond apart, in link order, keeps every run of a seed the same.
@@ -452,7 +509,7 @@ class _Link(Provider):
         self.cut_mode = "hang"
 
     def __repr__(self) -> str:
-        return f"<simulated link {self._name}>"
+        return f"<simulated link {self.name}>"
 
     # -- faults
     def _delay(self) -> float:
@@ -507,7 +564,7 @@ class _Link(Provider):
                 parts.append(f"applied, then the reply is lost ({plan.post})")
             if plan.post_delay:
                 parts.append(f"reply {plan.post_delay:.3f} s late")
-            sim.trace(self._name, f"{method}: {', '.join(parts)}")
+            sim.trace(self.name, f"{method}: {', '.join(parts)}")
             sim.faults[plan.pre or ("lost reply" if plan.post else "delay")] += 1
         if plan.pre == "raise":
             raise ProviderError(f"simulated: {method} failed") from ConnectionError("cut")
@@ -520,7 +577,7 @@ class _Link(Provider):
             except asyncio.CancelledError:
                 if write and plan.zombie:
                     remaining = max(plan.pre_delay - (sim.now() - began), 0.0)
-                    sim.spawn_zombie(self._name, method, remaining, op)
+                    sim.spawn_zombie(self.name, method, remaining, op)
                 raise
         result = await op()
         if plan.post == "raise":
@@ -613,11 +670,11 @@ class _Link(Provider):
                 if sim.fault_level > 0:
                     x = self._rng.random()
                     if x < 0.02 * sim.fault_level:
-                        sim.trace(self._name, "watch: breaks")
+                        sim.trace(self.name, "watch: breaks")
                         sim.faults["watch break"] += 1
                         raise ProviderError("simulated: the watch broke")
                     if x < 0.12 * sim.fault_level:
-                        sim.trace(self._name, "watch: notification dropped")
+                        sim.trace(self.name, "watch: notification dropped")
                         sim.faults["watch drop"] += 1
                         continue
                     if x < 0.22 * sim.fault_level:
@@ -633,64 +690,54 @@ class _Link(Provider):
         return
 
 
-# ---------------------------------------------------------------------- the simulation
-class _Simulation:
+# ---------------------------------------------------------------------- the worlds
+class _World(Generic[_ConfigT]):
+    """What every simulated world shares: the clock, the seeded randomness, the trace, the
+    store and its ledger, the failure, and the run's skeleton on a `_SimLoop`. It offers
+    what `_Link` and `_Ledger` use of their simulation.
+
+    A subclass builds its world (`_drive`), acts at each step (`_act`) and checks its
+    invariants at every loop iteration (`_check_iteration`) and after every step
+    (`_check_step`).
+    """
+
     def __init__(
-        self, config: SimulationConfig, store: StoreFactory | None, trace_lines: int
+        self, config: _ConfigT, store: StoreFactory | None, trace_lines: int, *, seed: str
     ) -> None:
         self.config = config
         self.lease = config.lease_duration
+        #: The longest lease of any participant: bounds scale with it.
+        self.max_lease = self.lease
         self.clock = FakeClock()
         self.t0 = self.clock.now
-        self.rng = random.Random(f"multilock-sim:{config.seed}")
+        self.rng = random.Random(seed)
         self.store_factory = store
         self.strict_store = store is None
         self.trace_lines = trace_lines
         self.fault_level = config.faults
+        self.faults: Counter[str] = Counter()
         self.ledger = _Ledger(self)
-        self.members: list[_Member] = []
-        self.by_group: list[list[_Member]] = []
-        self.lines: list[tuple[float, str, int, str]] = []
-        self.seq = 0
-        self.step = 0
-        self.failure: tuple[str, float, int] | None = None
         self.pending_store: list[str] = []
         #: Terms whose lease the store lost: their holder may lead on until it learns it.
         self.doomed: set[tuple[str, int]] = set()
-        #: (election, token) -> when a renew answered False to it.
+        #: (link index, token) -> when a renew answered False to it.
         self.refused: dict[tuple[int, int], float] = {}
-        self.terms: dict[tuple[int, int], _Term] = {}
-        self.open_terms: list[_Term] = []
-        self.top_led: dict[str, int] = {}
-        self.top_acquired: dict[str, int] = {}
-        self.works: list[_Work] = []
-        self.consumers: list[_Consumer] = []
-        self.calls: list[_Call] = []
-        self.call_counts: Counter[str] = Counter()
-        self.faults: Counter[str] = Counter()
+        self.store: Provider = InMemoryProvider()  # replaced in _make_store
+        self.links = 0
+        self.lines: list[tuple[float, str, int, str]] = []
+        self.full_trace: list[str] = []
+        self.seq = 0
+        self.step = 0
+        self.failure: tuple[str, float, int] | None = None
         self.cancellations = 0
-        self.acquired = 0
-        self.call_seq = 0
         self.checking = False
         self.closing = False
         self.abort_at: float | None = None
         self.loop_errors: list[str] = []
         self.own_tasks: set[asyncio.Task[Any]] = set()
         self.call_bound = 12 * self.lease + 2.0
-        self.full_trace: list[str] = []
-        self.store: Provider = InMemoryProvider()  # replaced in _build
-        self._bodies: dict[str, Callable[[_Call], Coroutine[Any, Any, str]]] = {
-            "start": self._do_start,
-            "stop": self._do_stop,
-            "resign": self._do_resign,
-            "wait_until_leader": self._do_wait,
-            "run_while_leader": self._do_run_while,
-            "run_if_leader": self._do_run_if,
-            "current_leader": self._do_current_leader,
-            "events": self._do_events,
-        }
 
-    # -- utilities
+    # -- what the links use, and utilities
     def now(self) -> float:
         return self.clock.now
 
@@ -722,34 +769,45 @@ class _Simulation:
         async def land() -> None:
             await asyncio.sleep(delay)
             self.trace(link, f"{method}: a write whose caller gave up lands now")
+            self._landing()
             await op()
 
         self.faults["late write"] += 1
-        task = asyncio.get_running_loop().create_task(land(), name=f"sim:late-{method}")
+        self._spawn(land(), f"sim:late-{method}")
+
+    def _landing(self) -> None:
+        """A late write is about to land."""
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self.own_tasks.add(task)
         task.add_done_callback(self.own_tasks.discard)
+        return task
 
     # -- the run
-    def run(self) -> SimulationReport:
+    def _run(self, core_seed: str, log_level: int) -> str:
+        """Drive the world on its own loop; return the trace's digest, or raise the
+        `SimulationFailure`. The global `random` (the core's jitter) is seeded with
+        *core_seed* for the run and restored after it."""
         saved_random = random.getstate()
-        random.seed(f"multilock-sim-core:{self.config.seed}")  # the core's retry jitter
+        random.seed(core_seed)
         logger = logging.getLogger("multilock")
         saved_level = logger.level
-        logger.setLevel(logging.CRITICAL)
+        logger.setLevel(log_level)
         loop = _SimLoop(self.clock, self._tick)
         loop.set_exception_handler(self._loop_error)
         try:
-            main = loop.create_task(self._drive(), name="sim:driver")
-            try:
-                loop.run_until_complete(main)
-            except _Abort as exc:
-                self.fail(str(exc))
+            with self._watching(logger):
+                main = loop.create_task(self._drive(), name="sim:driver")
+                try:
+                    loop.run_until_complete(main)
+                except _Abort as exc:
+                    self.fail(str(exc))
+                finally:
+                    self._teardown(loop)
         finally:
-            try:
-                self._teardown(loop)
-            finally:
-                random.setstate(saved_random)
-                logger.setLevel(saved_level)
+            random.setstate(saved_random)
+            logger.setLevel(saved_level)
         trace = self.canonical_trace()
         if self.failure is not None:
             message, at, step = self.failure
@@ -760,8 +818,206 @@ class _Simulation:
                 at=at - self.t0,
                 trace=trace[-self.trace_lines :],
             )
-        digest = hashlib.sha256("\n".join(trace).encode()).hexdigest()
         self.full_trace = trace
+        return hashlib.sha256("\n".join(trace).encode()).hexdigest()
+
+    @contextlib.contextmanager
+    def _watching(self, logger: logging.Logger) -> Iterator[None]:
+        """What else watches the run, around it and its teardown."""
+        yield
+
+    def _teardown(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Cancel what is left and close the loop."""
+        self.checking = False
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if pending:
+            self.abort_at = self.clock.now + 100 * self.max_lease
+            for task in pending:
+                task.cancel()
+            with contextlib.suppress(_Abort):
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.abort_at = self.clock.now + 100 * self.max_lease
+        with contextlib.suppress(_Abort):
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        self.loop_errors.append(f"{context.get('message')}: {context.get('exception')!r}")
+
+    async def _drive(self) -> None:
+        raise NotImplementedError
+
+    async def _play(self) -> bool:
+        """The random steps: act, let time pass, check. False once an invariant broke."""
+        for step in range(1, self.config.steps + 1):
+            self.step = step
+            self._act()
+            await self._advance()
+            if not self.failed():
+                self._step_checks()
+            if self.failed():
+                return False
+        return True
+
+    def _act(self) -> None:
+        raise NotImplementedError
+
+    async def _advance(self) -> None:
+        rng = self.rng
+        if rng.random() < 0.2:
+            for _ in range(rng.randrange(1, 4)):
+                await asyncio.sleep(0)
+        else:
+            await asyncio.sleep(min(rng.expovariate(1 / (0.1 * self.lease)), 3 * self.lease))
+
+    # -- building
+    def _make_store(self) -> None:
+        """The store under the links, judging expiry on the simulation's clock."""
+        clock, factory = self.clock.monotonic, self.store_factory
+        self.store = InMemoryProvider(clock=clock) if factory is None else factory(clock)
+
+    def _timings(self, index: int) -> tuple[float, float, float]:
+        """A participant's lease, renew and retry intervals, drawn from the seed."""
+        # A hair apart, so that no two participants' timers fall due at one instant
+        # (see _Link._tiebreak).
+        lease = round(self.lease * (1 + 0.001 * index), 6)
+        renew = round(self.rng.uniform(0.15, 0.45) * lease, 4)
+        retry = round(self.rng.uniform(0.25, 1.0) * lease, 4)
+        return lease, renew, retry
+
+    def _new_link(self) -> _Link:
+        """A participant's faulty link to the shared store."""
+        index, self.links = self.links, self.links + 1
+        return _Link(self, index, self.store, random.Random(self.rng.getrandbits(64)))
+
+    # -- faults and cancellations
+    def _cut_off(self, name: str, link: _Link, *, extend: bool = False) -> None:
+        """A partition: *link* hangs or fails every call for a while."""
+        span = self.rng.uniform(0.2, 2.0) * self.lease
+        until = self.now() + span
+        link.cut_until = max(link.cut_until, until) if extend else until
+        link.cut_mode = self.rng.choice(("hang", "raise"))
+        self.faults["cut off"] += 1
+        self.trace(name, f"cut off from the store for {span:.3f} s ({link.cut_mode})")
+
+    def _maybe_cancel(self, target: _Cancellable, rate: float, span: float) -> None:
+        """With probability *rate*, cancel *target* after a few loop iterations or a
+        random virtual delay (up to *span*)."""
+        rng = self.rng
+        if rng.random() >= rate:
+            return
+        if rng.random() < 0.5:
+            self._cancel_in(target, rng.randrange(0, 8))
+        else:
+            asyncio.get_running_loop().call_later(rng.uniform(0, span), self._cancel, target)
+
+    def _cancel_in(self, target: _Cancellable, iterations: int) -> None:
+        if iterations <= 0:
+            self._cancel(target)
+        else:
+            asyncio.get_running_loop().call_soon(self._cancel_in, target, iterations - 1)
+
+    def _cancel(self, target: _Cancellable) -> None:
+        task = target.task
+        if task is None or task.done() or self.closing:
+            return
+        target.cancelled = True
+        self.cancellations += 1
+        self.trace(target.src, target.cancel_note)
+        task.cancel()
+
+    async def _ignore_cancellation(self, seconds: float) -> None:
+        end = self.now() + seconds
+        while self.now() < end:
+            try:
+                await asyncio.sleep(end - self.now())
+            except asyncio.CancelledError:
+                continue
+
+    # -- invariants
+    def _tick(self, idle: bool) -> None:
+        """Called by the event loop at every iteration, before it waits or jumps."""
+        now = self.clock.now
+        if self.abort_at is not None and now > self.abort_at:
+            raise _Abort("the simulation could not wind down (tasks ignore cancellation)")
+        if idle:
+            raise _Abort("deadlock: no task can make progress and no timer is scheduled")
+        if not self.checking or self.failed():
+            return
+        self._check_iteration(now)
+
+    def _check_iteration(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _step_checks(self) -> None:
+        if self.pending_store:
+            # After the participants' own invariants (checked at every iteration) had their say.
+            self.fail(self.pending_store[0])
+            return
+        self._check_step(self.now())
+
+    def _check_step(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _held_instead(self, group: str, pid: str, token: int, now: float) -> str | None:
+        """None if the store holds this term of *pid*; otherwise what it holds."""
+        if self.ledger.holds(group, pid, token, now):
+            return None
+        live = self.ledger.live(group, now)
+        return "nothing" if live is None else f"token {live[0]} of {live[1].pid}"
+
+    def _check_works(self, works: list[_Work], now: float, what: str) -> list[_Work]:
+        """Leader work whose term ended is cancelled at once; return what still runs."""
+        alive = []
+        for work in works:
+            if work.finished:
+                continue
+            alive.append(work)
+            if work.cancelled or work.leadership.is_valid:
+                continue
+            if work.invalid_since is None:
+                work.invalid_since = now
+            elif now - work.invalid_since > 0.001:
+                self.fail(
+                    f"{what} {work.src} of token {work.leadership.token} still runs "
+                    f"{now - work.invalid_since:.4f} s after its term ended, not cancelled"
+                )
+                return works
+        return alive
+
+
+# ---------------------------------------------------------------------- the simulation
+class _Simulation(_World[SimulationConfig]):
+    def __init__(
+        self, config: SimulationConfig, store: StoreFactory | None, trace_lines: int
+    ) -> None:
+        super().__init__(config, store, trace_lines, seed=f"multilock-sim:{config.seed}")
+        self.members: list[_Member] = []
+        self.by_group: list[list[_Member]] = []
+        self.terms: dict[tuple[int, int], _Term] = {}
+        self.open_terms: list[_Term] = []
+        self.top_led: dict[str, int] = {}
+        self.top_acquired: dict[str, int] = {}
+        self.works: list[_Work] = []
+        self.consumers: list[_Consumer] = []
+        self.calls: list[_Call] = []
+        self.call_counts: Counter[str] = Counter()
+        self.acquired = 0
+        self.call_seq = 0
+        self._bodies: dict[str, Callable[[_Call], Coroutine[Any, Any, str]]] = {
+            "start": self._do_start,
+            "stop": self._do_stop,
+            "resign": self._do_resign,
+            "wait_until_leader": self._do_wait,
+            "run_while_leader": self._do_run_while,
+            "run_if_leader": self._do_run_if,
+            "current_leader": self._do_current_leader,
+            "events": self._do_events,
+        }
+
+    # -- the run
+    def run(self, *, keep_trace: bool) -> SimulationReport:
+        digest = self._run(f"multilock-sim-core:{self.config.seed}", logging.CRITICAL)
         return SimulationReport(
             config=self.config,
             steps=self.step,
@@ -772,25 +1028,9 @@ class _Simulation:
             cancellations=self.cancellations,
             faults=dict(self.faults),
             trace_digest=digest,
+            trace=tuple(self.full_trace) if keep_trace else (),
             loop_errors=tuple(self.loop_errors),
         )
-
-    def _teardown(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.checking = False
-        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-        if pending:
-            self.abort_at = self.clock.now + 100 * self.lease
-            for task in pending:
-                task.cancel()
-            with contextlib.suppress(_Abort):
-                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        self.abort_at = self.clock.now + 100 * self.lease
-        with contextlib.suppress(_Abort):
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
-
-    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        self.loop_errors.append(f"{context.get('message')}: {context.get('exception')!r}")
 
     async def _drive(self) -> None:
         self._build()
@@ -799,27 +1039,15 @@ class _Simulation:
             if rng.random() < 0.8:
                 self._launch("start", member, cancellable=False)
         self.checking = True
-        for step in range(1, self.config.steps + 1):
-            self.step = step
-            self._act()
-            await self._advance()
-            if not self.failed():
-                self._step_checks()
-            if self.failed():
-                return
+        if not await self._play():
+            return
         await self._calm()
         if not self.failed():
             await self._finish()
 
     def _build(self) -> None:
         config, rng = self.config, self.rng
-        clock = self.clock.monotonic
-        inner: Provider = (
-            InMemoryProvider(clock=clock)
-            if self.store_factory is None
-            else self.store_factory(clock)
-        )
-        self.store = inner
+        self._make_store()
         groups = [f"group{g}" for g in range(config.groups)]
         self.by_group = [[] for _ in groups]
         pids = [f"p{i}" for i in range(config.elections)]
@@ -828,14 +1056,10 @@ class _Simulation:
             if len(same) >= 2:
                 pids[same[1]] = pids[same[0]]
         for i in range(config.elections):
-            # A hair apart, so that no two elections' timers fall due at the same instant
-            # (see _Link._tiebreak).
-            lease = round(self.lease * (1 + 0.001 * i), 6)
-            renew = round(rng.uniform(0.15, 0.45) * lease, 4)
-            retry = round(rng.uniform(0.25, 1.0) * lease, 4)
+            lease, renew, retry = self._timings(i)
             release_on_stop = rng.random() < 0.85
             name = f"e{i}"
-            link = _Link(self, i, inner, random.Random(rng.getrandbits(64)))
+            link = self._new_link()
             election = LeaderElection(
                 link,
                 group=groups[i % config.groups],
@@ -867,14 +1091,6 @@ class _Simulation:
             )
             self.own_tasks.add(task)
 
-    async def _advance(self) -> None:
-        rng = self.rng
-        if rng.random() < 0.2:
-            for _ in range(rng.randrange(1, 4)):
-                await asyncio.sleep(0)
-        else:
-            await asyncio.sleep(min(rng.expovariate(1 / (0.1 * self.lease)), 3 * self.lease))
-
     # -- user actions
     def _act(self) -> None:
         rng = self.rng
@@ -885,13 +1101,7 @@ class _Simulation:
         if kind == "statistics":
             self._statistics(member)
         elif kind == "partition":
-            span = rng.uniform(0.2, 2.0) * self.lease
-            member.net.cut_until = self.now() + span
-            member.net.cut_mode = rng.choice(("hang", "raise"))
-            self.faults["cut off"] += 1
-            self.trace(
-                member.name, f"cut off from the store for {span:.3f} s ({member.net.cut_mode})"
-            )
+            self._cut_off(member.name, member.net)
         elif kind == "store_forgets":
             if self.fault_level > 0:
                 self._forget(member.group)
@@ -920,9 +1130,7 @@ class _Simulation:
 
         self.faults["store forgets"] += 1
         self.trace("store", f"forgets the lease of {lease.pid}, token {token}, in {group}")
-        task = asyncio.get_running_loop().create_task(forget(), name="sim:forget")
-        self.own_tasks.add(task)
-        task.add_done_callback(self.own_tasks.discard)
+        self._spawn(forget(), "sim:forget")
 
     def _launch(self, kind: str, member: _Member, *, cancellable: bool = True) -> _Call:
         self.call_seq += 1
@@ -943,38 +1151,14 @@ class _Simulation:
         )
         self.calls.append(call)
         if cancellable:
-            self._maybe_cancel(call)
+            rate = self.config.cancel_rate
+            if kind in ("stop", "resign"):
+                rate = min(1.0, rate * 1.5)
+            if kind in _LONG_LIVED:
+                rate = max(rate, 0.5)
+            span = 6 * self.lease if kind in _LONG_LIVED else 2 * self.lease
+            self._maybe_cancel(call, rate, span)
         return call
-
-    def _maybe_cancel(self, call: _Call) -> None:
-        rng = self.rng
-        rate = self.config.cancel_rate
-        if call.kind in ("stop", "resign"):
-            rate = min(1.0, rate * 1.5)
-        if call.kind in _LONG_LIVED:
-            rate = max(rate, 0.5)
-        if rng.random() >= rate:
-            return
-        loop = asyncio.get_running_loop()
-        if rng.random() < 0.5:
-            self._cancel_in(call, rng.randrange(0, 8))
-        else:
-            span = 6 * self.lease if call.kind in _LONG_LIVED else 2 * self.lease
-            loop.call_later(rng.uniform(0, span), self._cancel, call)
-
-    def _cancel_in(self, call: _Call, iterations: int) -> None:
-        if iterations <= 0:
-            self._cancel(call)
-        else:
-            asyncio.get_running_loop().call_soon(self._cancel_in, call, iterations - 1)
-
-    def _cancel(self, call: _Call) -> None:
-        task = call.task
-        if task is None or task.done() or self.closing:
-            return
-        self.cancellations += 1
-        self.trace(call.src, f"cancel {call.kind}()")
-        task.cancel()
 
     async def _guard(self, call: _Call, body: Callable[[_Call], Coroutine[Any, Any, str]]) -> None:
         try:
@@ -1198,14 +1382,6 @@ class _Simulation:
         self.trace(src, "work returns")
         return call.work_value
 
-    async def _ignore_cancellation(self, seconds: float) -> None:
-        end = self.now() + seconds
-        while self.now() < end:
-            try:
-                await asyncio.sleep(end - self.now())
-            except asyncio.CancelledError:
-                continue
-
     # -- the event recorder: the simulator's own subscriber of each election
     async def _record(self, member: _Member, stream: AsyncIterator[LeadershipEvent]) -> None:
         while True:
@@ -1272,15 +1448,7 @@ class _Simulation:
         return term
 
     # -- invariants
-    def _tick(self, idle: bool) -> None:
-        """Called by the event loop at every iteration, before it waits or jumps."""
-        now = self.clock.now
-        if self.abort_at is not None and now > self.abort_at:
-            raise _Abort("the simulation could not wind down (tasks ignore cancellation)")
-        if idle:
-            raise _Abort("deadlock: no task can make progress and no timer is scheduled")
-        if not self.checking or self.failed():
-            return
+    def _check_iteration(self, now: float) -> None:
         for members in self.by_group:
             leaders: list[tuple[_Member, _Term]] = []
             for member in members:
@@ -1301,22 +1469,9 @@ class _Simulation:
         if self.failed():
             return
         if self.works:
-            alive = []
-            for work in self.works:
-                if work.finished:
-                    continue
-                alive.append(work)
-                if work.cancelled or work.leadership.is_valid:
-                    continue
-                if work.invalid_since is None:
-                    work.invalid_since = now
-                elif now - work.invalid_since > 0.001:
-                    self.fail(
-                        f"leader work {work.src} of token {work.leadership.token} still runs "
-                        f"{now - work.invalid_since:.4f} s after its term ended, not cancelled"
-                    )
-                    return
-            self.works = alive
+            self.works = self._check_works(self.works, now, "leader work")
+            if self.failed():
+                return
         if self.open_terms:
             still = []
             for term in self.open_terms:
@@ -1355,9 +1510,8 @@ class _Simulation:
             self.fail(f"{len(leaders)} leaders in {group} at once: {who}")
             return False
         for member, term in leaders:
-            if not self.ledger.holds(group, member.pid, term.token, now):
-                live = self.ledger.live(group, now)
-                held = "nothing" if live is None else f"token {live[0]} of {live[1].pid}"
+            held = self._held_instead(group, member.pid, term.token, now)
+            if held is not None:
                 self.fail(
                     f"{member.name} leads {group} with token {term.token} but the store "
                     f"holds {held}"
@@ -1391,12 +1545,7 @@ class _Simulation:
             self.fail(f"fencing: {member.name} {what} after token {top}")
         tops[member.group] = max(top, token)
 
-    def _step_checks(self) -> None:
-        now = self.clock.now
-        if self.pending_store:
-            # After the elections' own invariants (checked at every iteration) had their say.
-            self.fail(self.pending_store[0])
-            return
+    def _check_step(self, now: float) -> None:
         for term in self.open_terms:
             if (
                 term.first_seen is not None
@@ -1558,21 +1707,14 @@ def _resolve(
     rng = random.Random(f"multilock-sim-config:{seed}")
     drawn_elections = rng.randint(2, 5)
     drawn_groups = 2 if rng.random() < 0.3 else 1
-    drawn_lease = round(rng.uniform(1.0, 2.0), 3)
-    drawn_faults = rng.choice((0.0, 0.1, 0.3, 0.6, 1.0))
-    drawn_cancel = rng.choice((0.1, 0.3, 0.5))
-    drawn_shared = rng.random() < 0.2
     n = drawn_elections if elections is None else elections
     g = (drawn_groups if n >= 3 else 1) if groups is None else groups
     if steps < 0:
         raise ValueError("steps must be >= 0")
     if n < 1 or g < 1 or g > n:
         raise ValueError(f"need 1 <= groups <= elections, got {g} groups and {n} elections")
-    lease = drawn_lease if lease_duration is None else float(lease_duration)
-    level = drawn_faults if faults is None else float(faults)
-    cancel = drawn_cancel if cancel_rate is None else float(cancel_rate)
-    if not (0 <= level <= 1 and 0 <= cancel <= 1 and lease > 0):
-        raise ValueError("faults and cancel_rate must be in [0, 1], lease_duration positive")
+    lease, level, cancel = _draw_timing(rng, lease_duration, faults, cancel_rate, min_lease=0)
+    drawn_shared = rng.random() < 0.2
     return SimulationConfig(
         seed=seed,
         steps=steps,
@@ -1584,6 +1726,27 @@ def _resolve(
         shared_ids=drawn_shared if shared_ids is None else shared_ids,
         custom_store=custom_store,
     )
+
+
+def _draw_timing(
+    rng: random.Random,
+    lease_duration: float | None,
+    faults: float | None,
+    cancel_rate: float | None,
+    *,
+    min_lease: float,
+) -> tuple[float, float, float]:
+    """A run's lease, fault intensity and cancellation rate: those left None are drawn."""
+    drawn_lease = round(rng.uniform(1.0, 2.0), 3)
+    drawn_faults = rng.choice((0.0, 0.1, 0.3, 0.6, 1.0))
+    drawn_cancel = rng.choice((0.1, 0.3, 0.5))
+    lease = drawn_lease if lease_duration is None else float(lease_duration)
+    level = drawn_faults if faults is None else float(faults)
+    cancel = drawn_cancel if cancel_rate is None else float(cancel_rate)
+    if not (0 <= level <= 1 and 0 <= cancel <= 1 and lease > 0 and lease >= min_lease):
+        bound = "positive" if min_lease <= 0 else f">= {min_lease}"
+        raise ValueError(f"faults and cancel_rate must be in [0, 1], lease_duration {bound}")
+    return lease, level, cancel
 
 
 def simulate(
@@ -1625,21 +1788,84 @@ def simulate(
         shared_ids=shared_ids,
         custom_store=store is not None,
     )
-    sim = _Simulation(config, store, trace_lines)
-    report = sim.run()
-    if keep_trace:
-        report = attrs.evolve(report, trace=tuple(sim.full_trace))
-    return report
+    return _Simulation(config, store, trace_lines).run(keep_trace=keep_trace)
 
 
 # ---------------------------------------------------------------------- campaigns
-def _run_one(seed: int, steps: int) -> tuple[int, SimulationReport | SimulationFailure, float]:
+class _Report(Protocol):
+    @property
+    def steps(self) -> int: ...
+
+
+_ReportT = TypeVar("_ReportT", bound=_Report)
+#: One run of a campaign: its name in its line, its name in the summary, its seed, and
+#: the options of its simulation.
+_Run = tuple[str, str, int, Mapping[str, Any]]
+
+
+def _timed(
+    simulate_one: Callable[..., _ReportT], seed: int, options: Mapping[str, Any]
+) -> tuple[_ReportT | SimulationFailure, float]:
+    """Run one seed (in a worker process): its report or its failure, and how long it took."""
     began = time.perf_counter()
     try:
-        outcome: SimulationReport | SimulationFailure = simulate(seed, steps=steps)
+        outcome: _ReportT | SimulationFailure = simulate_one(seed, **options)
     except SimulationFailure as failure:
         outcome = failure
-    return seed, outcome, time.perf_counter() - began
+    return outcome, time.perf_counter() - began
+
+
+def _campaign(
+    simulate_one: Callable[..., _ReportT],
+    runs: Sequence[_Run],
+    *,
+    describe: Callable[[_ReportT], str],
+    seeds: Sequence[int],
+    what: str = "",
+    failed_as: str = "",
+    jobs: int,
+    out: Callable[[str], None],
+) -> list[SimulationFailure]:
+    """Run every run (in *jobs* processes); print a line per run and a summary of *seeds*
+    (*what* names the worlds, *failed_as* comes before the names of the failed runs);
+    return the failures, each printed in full as it comes."""
+    failures: list[SimulationFailure] = []
+    failed: list[str] = []
+    total = 0
+    began = time.perf_counter()
+
+    def report(label: str, key: str, outcome: _ReportT | SimulationFailure, seconds: float) -> None:
+        nonlocal total
+        if isinstance(outcome, SimulationFailure):
+            failures.append(outcome)
+            failed.append(key)
+            total += outcome.step
+            out(f"{label}: FAILED at step {outcome.step} ({seconds:.2f} s)\n{outcome}\n")
+            return
+        total += outcome.steps
+        out(f"{label}: ok, {describe(outcome)} ({seconds:.2f} s)")
+
+    calls = ([simulate_one] * len(runs), [r[2] for r in runs], [r[3] for r in runs])
+    if jobs <= 1:
+        for (label, key, _, _), result in zip(runs, map(_timed, *calls), strict=True):
+            report(label, key, *result)
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            results = pool.map(_timed, *calls, chunksize=1)
+            for (label, key, _, _), result in zip(runs, results, strict=True):
+                report(label, key, *result)
+    summary = (
+        f"simulated {total} steps{what} over {len(seeds)} seeds ({_describe_seeds(seeds)}) "
+        f"in {time.perf_counter() - began:.1f} s with {jobs} job(s): "
+    )
+    if failures:
+        summary += f"{len(failures)} FAILED ({failed_as}{', '.join(failed)})"
+    else:
+        summary += "every invariant held"
+    out(summary)
+    return failures
 
 
 def run_simulations(
@@ -1655,46 +1881,26 @@ def run_simulations(
     seeds, and the summary names every failing seed.
     """
     seeds = list(seeds)
-    failures: list[SimulationFailure] = []
-    total_steps = 0
-    began = time.perf_counter()
-
-    def report(seed: int, outcome: SimulationReport | SimulationFailure, seconds: float) -> None:
-        nonlocal total_steps
-        if isinstance(outcome, SimulationFailure):
-            failures.append(outcome)
-            total_steps += outcome.step
-            out(f"seed {seed}: FAILED at step {outcome.step} ({seconds:.2f} s)\n{outcome}\n")
-            return
-        total_steps += outcome.steps
-        c = outcome.config
-        out(
-            f"seed {seed}: ok, {outcome.steps} steps, {c.elections} elections in {c.groups} "
-            f"group(s), lease {c.lease_duration} s, faults {c.faults}, {outcome.terms} terms, "
-            f"{outcome.cancellations} cancellations, {outcome.virtual_seconds:.0f} virtual s "
-            f"({seconds:.2f} s)"
-        )
-
-    if jobs <= 1:
-        for seed in seeds:
-            report(*_run_one(seed, steps))
-    else:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            for result in pool.map(_run_one, seeds, [steps] * len(seeds), chunksize=1):
-                report(*result)
-    elapsed = time.perf_counter() - began
-    summary = (
-        f"simulated {total_steps} steps over {len(seeds)} seeds "
-        f"({_describe_seeds(seeds)}) in {elapsed:.1f} s with {jobs} job(s): "
+    options = {"steps": steps}
+    runs = [(f"seed {seed}", str(seed), seed, options) for seed in seeds]
+    return _campaign(
+        simulate,
+        runs,
+        describe=_describe_report,
+        seeds=seeds,
+        failed_as="seeds ",
+        jobs=jobs,
+        out=out,
     )
-    if failures:
-        summary += f"{len(failures)} FAILED (seeds {', '.join(str(f.seed) for f in failures)})"
-    else:
-        summary += "every invariant held"
-    out(summary)
-    return failures
+
+
+def _describe_report(report: SimulationReport) -> str:
+    c = report.config
+    return (
+        f"{report.steps} steps, {c.elections} elections in {c.groups} group(s), "
+        f"lease {c.lease_duration} s, faults {c.faults}, {report.terms} terms, "
+        f"{report.cancellations} cancellations, {report.virtual_seconds:.0f} virtual s"
+    )
 
 
 def _describe_seeds(seeds: Sequence[int]) -> str:
@@ -1715,32 +1921,51 @@ def _parse_seeds(text: str) -> list[int] | int:
     return int(text)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line of long campaigns (``nox -s simulate``)."""
-    parser = argparse.ArgumentParser(
-        description="Deterministic simulation of multilock elections on a faulty store."
-    )
+def _campaign_parser(
+    description: str, env: str, *, total_steps: int, steps: int, per: str, over: str = ""
+) -> argparse.ArgumentParser:
+    """The command line of a campaign; its defaults from the environment (*env*_STEPS...)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--total-steps",
         type=int,
-        default=int(os.environ.get("MULTILOCK_SIM_STEPS", "2000000")),
-        help="steps in all (env MULTILOCK_SIM_STEPS; default 2,000,000)",
+        default=int(os.environ.get(f"{env}_STEPS", str(total_steps))),
+        help=f"steps in all{over} (env {env}_STEPS; default {total_steps:,})",
     )
     parser.add_argument(
         "--seeds",
-        default=os.environ.get("MULTILOCK_SIM_SEEDS", "0"),
-        help="first seed N, a range A:B or a list A,B,C (env MULTILOCK_SIM_SEEDS; default 0)",
+        default=os.environ.get(f"{env}_SEEDS", "0"),
+        help=f"first seed N, a range A:B or a list A,B,C (env {env}_SEEDS; default 0)",
     )
-    parser.add_argument("--steps", type=int, default=2000, help="steps per seed (default 2000)")
+    parser.add_argument(
+        "--steps", type=int, default=steps, help=f"steps per {per} (default {steps})"
+    )
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: every CPU)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _campaign_seeds(args: argparse.Namespace, runs_per_seed: int = 1) -> list[int]:
+    """The seeds named by ``--seeds``; from a first seed, enough for ``--total-steps``."""
     seeds = _parse_seeds(args.seeds)
-    if isinstance(seeds, int):
-        count = max(1, math.ceil(args.total_steps / max(args.steps, 1)))
-        seeds = list(range(seeds, seeds + count))
-    failures = run_simulations(seeds, steps=args.steps, jobs=args.jobs)
+    if isinstance(seeds, list):
+        return seeds
+    runs = max(1, math.ceil(args.total_steps / max(args.steps, 1)))
+    return list(range(seeds, seeds + max(1, runs // runs_per_seed)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line of long campaigns (``nox -s simulate``)."""
+    parser = _campaign_parser(
+        "Deterministic simulation of multilock elections on a faulty store.",
+        "MULTILOCK_SIM",
+        total_steps=2_000_000,
+        steps=2000,
+        per="seed",
+    )
+    args = parser.parse_args(argv)
+    failures = run_simulations(_campaign_seeds(args), steps=args.steps, jobs=args.jobs)
     return 1 if failures else 0
 
 
