@@ -37,6 +37,8 @@ DEV = [
     "flask",
     "flask-cors",
     "tooz[redis,zookeeper]>=9.1",  # benchmark peers (tests/test_benchmarks.py, nox -s bench)
+    "python-redis-lock>=4.0",  # the lock comparison's peers (benchmarks/locks.py)
+    "pottery>=3.0",
     "psutil>=5.9",  # the benchmark's scale run
     "matplotlib>=3.8",  # the benchmark's failover plot
     # The integrations' tests and samples: real servers and clients the packages only meet

@@ -19,6 +19,10 @@ from common import say
 
 from multilock.core.testing import Cluster
 
+#: The section's number and title in the report (the last numbered section).
+NUMBER = 10
+TITLE = "A failover, drawn"
+
 
 def run(urls: dict[str, str], args: Any, phase: Callable[[str], None]) -> list[str]:
     backend = args.plot_backend if args.plot_backend in urls else None
@@ -33,7 +37,7 @@ def run(urls: dict[str, str], args: Any, phase: Callable[[str], None]) -> list[s
         draw(data, out, backend)
     except Exception as exc:
         say(f"plot failed: {exc!r}")
-        return ["", "## 8. A failover, drawn", "", f"Not drawn: error {exc!r}"[:400]]
+        return ["", f"## {NUMBER}. {TITLE}", "", f"Not drawn: error {exc!r}"[:400]]
     gaps = f"handoff {data['handoff_gap'] * 1000:.1f} ms, crash {data['crash_gap']:.3f} s"
     say(f"plot: {out} ({gaps})")
     image = os.path.relpath(out.resolve(), Path(args.out).resolve().parent)
@@ -134,7 +138,7 @@ def report_section(data: dict[str, Any] | None, image: str, backend: str) -> lis
         return []
     return [
         "",
-        "## 8. A failover, drawn",
+        f"## {NUMBER}. {TITLE}",
         "",
         f"A 3-process `Cluster` on {backend} (lease {data['lease']:g} s) from this run: the "
         f"first leader resigns, the next leader takes over {data['handoff_gap'] * 1000:.1f} ms "

@@ -1,8 +1,9 @@
 """The Markdown report: machine, settings, and multilock's own three measurements.
 
-The peer comparison, the scale run, the many-groups run and the plot add their sections
-through `peers.report_section`, `scale.report_section`, `groups.report_section` and
-`plot.report_section`; `targets` also judges what the peers and the scale run measured.
+The peer comparison, the scale run, the many-groups run, the SIGTERM run, the locks,
+the shard rebalance and the plot add their sections through their modules'
+``report_section``; `targets` also judges what the peers and the scale run measured.
+`merge_sections` puts sections run on their own (``run.py --only``) into an earlier report.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import locks
+import plot
+import rebalance
 import roundtrip
 import scale
 import sigterm
@@ -388,6 +392,8 @@ def targets(results: dict[str, dict[str, Any]], extra: dict[str, Any]) -> list[s
     lines = [*_handoff_targets(results, extra.get("peers") or {})]
     lines += scale.targets(extra.get("scale") or {})
     lines += sigterm.targets(extra.get("sigterm") or {}, results)
+    lines += locks.targets(extra.get("locks") or {})
+    lines += rebalance.targets(extra.get("rebalance") or {})
     for name in ("redis", "postgres"):
         g = results.get(name, {}).get("pingpong")
         what = f"Ping-pong p95 within {PINGPONG_SPREAD:g} ms of p50 on {name}"
@@ -512,3 +518,80 @@ def reproduce(args: argparse.Namespace) -> list[str]:
         "(`integration/harness/install.py`), and for the peers, the scale run and the plot: "
         "`tooz`, `kazoo`, `psutil`, `matplotlib` (see `benchmarks/README.md`).",
     ]
+
+
+# --------------------------------------------------------------------------- --only
+#: The sections ``run.py --only`` can measure alone: module -> the start of its target lines.
+MERGEABLE = {locks: locks.TARGET, rebalance: rebalance.TARGET}
+
+
+def merge_sections(text: str, sections: list[str], extra: dict[str, Any]) -> str:
+    """The report *text* of an earlier run with *sections* (of `MERGEABLE` modules) put in.
+
+    A section of the same title is replaced, a new one goes after the last section with a
+    lower number (or before Targets); the failover picture keeps the last number; in
+    Targets the lines of the measured sections are replaced. Everything else, numbers
+    included, stays as it was.
+    """
+    blocks = _blocks(text) if text.strip() else _blocks(_EMPTY)
+    blocks = [
+        (f"## {plot.NUMBER}. {plot.TITLE}" if h is not None and _title(h) == plot.TITLE else h, ls)
+        for h, ls in blocks
+    ]
+    new = [b for b in _blocks("\n".join(sections)) if b[0] is not None]
+    for heading, lines in new:
+        title = _title(heading)
+        blocks = [b for b in blocks if b[0] is None or _title(b[0]) != title]
+        number = _number(heading) or 0
+        lower = [i for i, (h, _) in enumerate(blocks) if h and 0 < (_number(h) or 0) < number]
+        targets = [i for i, (h, _) in enumerate(blocks) if h == "## Targets"]
+        at = lower[-1] + 1 if lower else (targets or [len(blocks)])[0]
+        previous = blocks[at - 1][1]
+        if previous and previous[-1].strip():
+            previous.append("")  # a blank line before the new heading
+        if at < len(blocks) and (not lines or lines[-1].strip()):
+            lines = [*lines, ""]  # a blank line before the next heading
+        blocks.insert(at, (heading, lines))
+    measured = [m for m in MERGEABLE if m.TITLE in {_title(h) for h, _ in new}]
+    fresh = [line for m in measured for line in m.targets(extra.get(m.__name__) or {})]
+    for i, (heading, lines) in enumerate(blocks):
+        if heading == "## Targets":
+            kept = [x for x in lines if not any(x.startswith(m.TARGET) for m in measured)]
+            tail = []
+            while kept and not kept[-1].strip():
+                tail.append(kept.pop())
+            blocks[i] = (heading, [*kept, *fresh, *tail])
+    out: list[str] = []
+    for heading, lines in blocks:
+        out += [heading, *lines] if heading is not None else lines
+    return "\n".join(out) + ("\n" if text.endswith("\n") or not text else "")
+
+
+_EMPTY = (
+    "# multilock benchmark report\n\nSections measured on their own (`run.py --only`).\n\n"
+    "## Targets\n"
+)
+
+
+def _blocks(text: str) -> list[tuple[str | None, list[str]]]:
+    """*text* cut at its ``## `` headings: (heading or None for what precedes, lines)."""
+    blocks: list[tuple[str | None, list[str]]] = [(None, [])]
+    for line in text.splitlines():
+        if line.startswith("## "):
+            blocks.append((line, []))
+        else:
+            blocks[-1][1].append(line)
+    return blocks
+
+
+def _number(heading: str) -> int | None:
+    head = heading.removeprefix("## ").split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _title(heading: str) -> str:
+    """A heading without its number, up to a colon: what stays when the numbers move."""
+    rest = heading.removeprefix("## ")
+    if _number(heading) is not None:
+        rest = rest.split(". ", 1)[1]
+    return rest.split(":", 1)[0].strip()

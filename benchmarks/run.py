@@ -11,8 +11,13 @@
                              [--groups-lease 15] [--groups-window S]
                              [--sigterm 20] [--sigterm-lease 2]
                              [--sigterm-backends redis,postgres,etcd,zookeeper,filesystem]
+                             [--locks 1000] [--lock-handoffs 100] [--lock-lease 2]
+                             [--rebalance 5] [--rebalance-backends redis,postgres]
+                             [--rebalance-shards 64] [--rebalance-participants 4]
+                             [--rebalance-lease 2] [--rebalance-window S]
                              [--plot PNG (default: failover.png beside --out)]
                              [--out benchmarks/REPORT.md]
+                             [--only locks,rebalance]
 
 Starts its own throwaway servers (redis-server, postgres, etcd, moto's S3, Azurite,
 ZooKeeper) with the integration harness and stops them, by the PID it started, whatever
@@ -31,8 +36,13 @@ fewer samples (see `LIMITS`). Three measurements per backend:
 
 Then, on the same servers and lease: the peers (``peers.py``: tooz and kazoo), the scale
 run (``scale.py``), one process leading many groups (``groups.py``), SIGTERM of a leader
-process with and without ``stop_on_signals`` (``sigterm.py``) and the failover picture
-(``plot.py``).
+process with and without ``stop_on_signals`` (``sigterm.py``), lock acquire and release
+beside python-redis-lock and pottery (``locks.py``), shard rebalancing over participant
+processes (``rebalance.py``) and the failover picture (``plot.py``).
+
+``--only locks,rebalance`` runs just those sections (on the servers of ``--backends``) and
+merges them into the report at ``--out``, replacing their earlier versions and keeping
+every other section's numbers as they are.
 """
 
 from __future__ import annotations
@@ -56,8 +66,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration"))
 
 import groups  # noqa: E402
+import locks  # noqa: E402
 import peers  # noqa: E402
 import plot  # noqa: E402
+import rebalance  # noqa: E402
 import roundtrip  # noqa: E402
 import scale  # noqa: E402
 import sigterm  # noqa: E402
@@ -73,7 +85,7 @@ from common import (  # noqa: E402
     summary,
 )
 from peers import RedisCounter, per_second  # noqa: E402
-from report import write_report  # noqa: E402
+from report import merge_sections, write_report  # noqa: E402
 
 from multilock.core import EventKind, LeaderElection, from_url  # noqa: E402
 from multilock.core.testing import Cluster, FaultyProvider  # noqa: E402
@@ -91,6 +103,8 @@ async def _wait(predicate: Callable[[], bool], within: float) -> bool:
 
 #: The backends whose watch polls, and how often (seconds).
 POLLS = {**WATCH_POLLS, "filesystem": FILE_POLL}
+#: The sections `--only` can run alone (and merge into an existing report).
+ONLY = ("locks", "rebalance")
 
 
 async def measure_handoff(
@@ -356,6 +370,8 @@ async def run_idle(
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     names = [n.strip() for n in args.backends.split(",") if n.strip()]
+    if args.only:
+        return run_only(args, names)
     scale_names = [n.strip() for n in args.scale_backends.split(",") if n.strip()]
     scale_names = [n for n in scale_names if n in names] if args.scale else []
     group_names = [n.strip() for n in args.groups_backends.split(",") if n.strip()]
@@ -416,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             trips = {n: r.get("round_trip") for n, r in results.items()}
             sections += sigterm.report_section(extra["sigterm"], trips)
+        sections += run_holders(backends.urls, args, phase, extra)
         if args.plot:
             sections += plot.run(backends.urls, args, phase)
         background.join()
@@ -453,14 +470,99 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sigterm", type=int, default=20, help="SIGTERM rounds; 0: skip")
     parser.add_argument("--sigterm-backends", default="redis,postgres,etcd,zookeeper,filesystem")
     parser.add_argument("--sigterm-lease", type=float, default=2.0)
+    parser.add_argument("--locks", type=int, default=1000, help="uncontended rounds; 0: skip")
+    parser.add_argument("--lock-handoffs", type=int, default=100)
+    parser.add_argument("--lock-lease", type=float, default=2.0)
+    parser.add_argument("--rebalance", type=int, default=5, help="rounds; 0: skip")
+    parser.add_argument("--rebalance-backends", default="redis,postgres")
+    parser.add_argument("--rebalance-shards", type=int, default=64)
+    parser.add_argument("--rebalance-participants", type=int, default=4)
+    parser.add_argument("--rebalance-lease", type=float, default=2.0)
+    parser.add_argument("--rebalance-window", type=float, default=None)
     parser.add_argument("--plot", default=None, help="default: failover.png beside --out")
     parser.add_argument("--plot-backend", default="postgres")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "REPORT.md"))
+    parser.add_argument(
+        "--only", default="", help="comma-separated sections to run and merge into --out: "
+        f"{','.join(ONLY)}; the others keep their numbers"
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    unknown = {s.strip() for s in args.only.split(",") if s.strip()} - set(ONLY)
+    if unknown:
+        parser.error(f"--only takes {', '.join(ONLY)}, not {', '.join(sorted(unknown))}")
     args.argv = sys.argv[1:] if argv is None else argv
     if args.plot is None:
         args.plot = str(Path(args.out).with_name("failover.png"))
     return args
+
+
+def run_holders(
+    urls: dict[str, str],
+    args: argparse.Namespace,
+    phase: Callable[[str], None],
+    extra: dict[str, Any],
+    note: Callable[[], str] = str,
+) -> list[str]:
+    """Sections 8 and 9: lock acquire/release beside its peers, and shard rebalancing.
+
+    *note()*, called after each phase began, gives a line for the section's top (``--only``
+    says there when and how the section was measured).
+    """
+    sections: list[str] = []
+    if args.locks and "redis" in urls:
+        phase("locks")
+        extra["locks"] = locks.run(urls["redis"], args.locks, args.lock_handoffs, args.lock_lease)
+        sections += locks.report_section(extra["locks"], note=note())
+    names = [n.strip() for n in args.rebalance_backends.split(",") if n.strip()]
+    if args.rebalance and any(n in urls for n in names):
+        phase("rebalance")
+        extra["rebalance"] = rebalance.run(
+            urls, names, args.rebalance, args.rebalance_shards, args.rebalance_participants,
+            args.rebalance_lease, args.rebalance_window,
+        )  # fmt: skip
+        sections += rebalance.report_section(extra["rebalance"], note=note())
+    return sections
+
+
+def run_only(args: argparse.Namespace, names: list[str]) -> int:
+    """Run only the sections of ``--only`` and merge them into the report at ``--out``,
+    which keeps every other section as it was."""
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    args.locks = args.locks if "locks" in only else 0
+    args.rebalance = args.rebalance if "rebalance" in only else 0
+    began = time.monotonic()
+    backends = Backends(names)
+    loads: list[str] = []
+    command = " ".join(["python benchmarks/run.py", *args.argv])
+    when = time.strftime("%Y-%m-%d %H:%M %Z")
+
+    def phase(label: str) -> None:
+        loads.append(" / ".join(f"{x:.2f}" for x in os.getloadavg()))
+        say(f"phase: {label} (load {loads[-1]})")
+
+    def note() -> str:
+        return (
+            f"Measured in a run of its own on {when}, `{command}`, on the same machine; "
+            f"load average (1/5/15 min) at the start of this section: {loads[-1]} (2 cores, "
+            "shared with other jobs)."
+        )
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    extra: dict[str, Any] = {}
+    try:
+        say(f"starting servers for {', '.join(names)}")
+        backends.start()
+        sections = run_holders(backends.urls, args, phase, extra, note)
+    finally:
+        backends.close()
+    out = Path(args.out)
+    text = merge_sections(out.read_text() if out.exists() else "", sections, extra)
+    out.write_text(text)
+    say(f"merged {', '.join(sorted(only))} into {out} after {time.monotonic() - began:.0f} s")
+    return 0
 
 
 def run_crashes(urls: dict[str, str], args: argparse.Namespace, results: dict[str, Any]) -> None:

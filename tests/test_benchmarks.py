@@ -49,6 +49,8 @@ def test_benchmark_runner_measures_everything(tmp_path):
     command += ["--scale-window", "1", "--scale-small", "6"]
     command += ["--groups", "40", "--groups-lease", "1", "--groups-window", "1"]
     command += ["--sigterm", "2", "--sigterm-backends", "redis", "--sigterm-lease", "1"]
+    command += ["--locks", "20", "--lock-handoffs", "2", "--rebalance", "1"]
+    command += ["--rebalance-backends", "redis", "--rebalance-window", "2"]
     result = subprocess.run(
         command,
         capture_output=True,
@@ -103,5 +105,13 @@ def test_benchmark_runner_measures_everything(tmp_path):
     row = cells(stops, "redis", "`default SIGTERM`")
     assert row[6:8] == ["0", "-15"], f"default SIGTERM: failed/exit {row[6:8]}"
 
-    assert "![failover timeline](failover.png)" in section(text, 8)
+    assert "![failover timeline](failover.png)" in section(text, 10)
+    rounds, handoffs = section(text, 8).split("Contended handoff")
+    for peer in ("multilock", "python-redis-lock", "pottery"):
+        float(cells(rounds, peer)[5])
+        assert cells(handoffs, peer)[1] == "2"
+    row = cells(section(text, 9), "redis")
+    assert row[1] == "1"
+    float(row[2])
+    float(row[6])
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
