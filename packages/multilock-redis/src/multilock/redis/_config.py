@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import attrs
@@ -20,6 +21,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from multilock.core.provider import ConfigurationError, check_url_options, redact_url, to_seconds
+
+if TYPE_CHECKING:
+    from ._sentinel import MasterCheck
 
 __all__ = [
     "DEFAULT_KEY_PREFIX",
@@ -40,7 +44,16 @@ DEFAULT_SOCKET_TIMEOUT = 2.0
 #: more calls than that wait for a free one. ``?max_connections=`` in the URL changes it.
 DEFAULT_MAX_CONNECTIONS = 10
 #: Options of ours that a URL may carry in its query string (redis-py gets the rest).
-OWN_QUERY_KEYS = ("key_prefix", "socket_timeout", "socket_connect_timeout", "node_timeout")
+OWN_QUERY_KEYS = (
+    "key_prefix",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "node_timeout",
+    "wait_replicas",
+    "wait_timeout",
+)
+#: The most replicas ``wait_replicas`` may ask for (a sanity bound: Redis has no limit).
+MAX_WAIT_REPLICAS = 1000
 _PREFIX = re.compile(r"[!-z|~]{0,200}")  # printable ASCII without spaces, '{' and '}'
 #: Options of redis-py's connections that make sense as text in a URL (redis-py passes
 #: every query option it does not parse itself to the connection as a str). Only those
@@ -72,6 +85,10 @@ def _from_query(key: str, value: str) -> Any:
     """A query-string value as the option's type (timeouts are numbers of seconds)."""
     if key == "key_prefix":
         return value
+    if key == "wait_replicas":
+        if not value.isdigit():
+            raise ConfigurationError(f"wait_replicas must be a whole number, got {value!r}")
+        return int(value)
     try:
         return float(value)
     except ValueError:
@@ -99,6 +116,18 @@ def _node_timeout(value: Any) -> float | None:
     return None if value is None else to_seconds(value, "node_timeout")
 
 
+def _wait_replicas(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WAIT_REPLICAS:
+        raise ConfigurationError(
+            f"wait_replicas must be a whole number from 0 to {MAX_WAIT_REPLICAS}, got {value!r}"
+        )
+    return value
+
+
+def _wait_timeout(value: Any) -> float | None:
+    return None if value is None else to_seconds(value, "wait_timeout")
+
+
 @attrs.frozen(kw_only=True)
 class Settings:
     """The options of a provider; keywords win over the URL's query string."""
@@ -109,6 +138,27 @@ class Settings:
     socket_connect_timeout: float | None = attrs.field(default=None, converter=_connect_timeout)
     #: Redlock only: the bound of one node's call; None picks min(socket_timeout, lease / 5).
     node_timeout: float | None = attrs.field(default=None, converter=_node_timeout)
+    #: `RedisProvider` only: replicas that must acknowledge each acquire and renew (``WAIT``);
+    #: 0 waits for none.
+    wait_replicas: int = attrs.field(default=0, converter=_wait_replicas)
+    #: How long ``WAIT`` may block; None picks min(lease / 5, socket_timeout / 2).
+    wait_timeout: float | None = attrs.field(default=None, converter=_wait_timeout)
+
+    def __attrs_post_init__(self) -> None:
+        if self.wait_timeout is None:
+            return
+        if not self.wait_replicas:
+            raise ConfigurationError("wait_timeout needs wait_replicas (the replicas to wait for)")
+        if self.wait_timeout >= self.socket_timeout:
+            raise ConfigurationError(
+                f"wait_timeout ({self.wait_timeout:g} s) must be shorter than socket_timeout "
+                f"({self.socket_timeout:g} s), which bounds the reply of WAIT"
+            )
+
+    def wait_ms(self, lease_ms: int) -> int:
+        """WAIT's timeout in milliseconds for a lease of *lease_ms* (never 0: that blocks)."""
+        seconds = self.wait_timeout or min(lease_ms / 5000, self.socket_timeout / 2)
+        return max(1, math.ceil(seconds * 1000))
 
     @property
     def connect_timeout(self) -> float:
@@ -259,13 +309,16 @@ def client_from_url(url: str, settings: Settings) -> Redis:
 
 def sentinel_client(
     url: str, settings: Settings, sentinel_kwargs: Mapping[str, Any] | None
-) -> tuple[Redis, Callable[[], Any]]:
-    """Build a client of the master a Sentinel URL names, and the closer of its sentinels.
+) -> tuple[Redis, Callable[[], Any], MasterCheck]:
+    """Build a client of the master a Sentinel URL names, the closer of its sentinels, and
+    the check that makes the client follow the master the sentinels name (`MasterCheck`).
 
     ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...][/service[/db]]``: the
     password is the master's; give the sentinels' own credentials in *sentinel_kwargs*.
     """
     from redis.asyncio.sentinel import Sentinel
+
+    from ._sentinel import FollowMasterPool, MasterCheck
 
     userinfo, hosts, path = parse_hosts(url, 26379)
     service, _, db = path.strip("/").partition("/")
@@ -280,11 +333,14 @@ def sentinel_client(
     )
     client: Redis = sentinel.master_for(
         service or "mymaster",
+        connection_pool_class=FollowMasterPool,
         username=unquote(user) or None,
         password=unquote(password) if has_password else None,
         db=_db(db, url),
     )
-    return client, sentinel.aclose
+    pool = client.connection_pool
+    assert isinstance(pool, FollowMasterPool)
+    return client, sentinel.aclose, MasterCheck(pool)
 
 
 def _address(target: str | Redis) -> tuple[str, int, str]:

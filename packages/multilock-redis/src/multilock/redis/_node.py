@@ -22,10 +22,12 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
     NoPermissionError,
+    NoScriptError,
     RedisError,
 )
 
@@ -69,6 +71,8 @@ class Granted:
 
     token: int
     acquired_at: datetime
+    #: With ``wait_replicas``: how many replicas acknowledged the lease (WAIT's answer).
+    replicas: int | None = None
 
 
 class _Calls(DriverCalls):
@@ -162,11 +166,15 @@ class Node:
         owned: bool,
         settings: Settings,
         closers: Sequence[Callable[[], Awaitable[Any]]] = (),
+        check: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.client = client
         self.calls = calls
         self.label = calls.where
         self.prefix = settings.key_prefix
+        self.settings = settings
+        #: Behind Sentinel: asks the sentinels which node is the master before each write.
+        self._check = check
         self._owned = owned
         self._closers = [client.aclose, *closers] if owned else []
         self._acquire = client.register_script(_scripts.ACQUIRE)
@@ -208,8 +216,9 @@ class Node:
             )
             return cls(target, calls, owned=False, settings=settings)
         closers: list[Callable[[], Awaitable[Any]]] = []
+        check: Callable[[], Awaitable[None]] | None = None
         if urlsplit(target).scheme == "redis+sentinel":
-            client, close_sentinels = sentinel_client(target, settings, sentinel_kwargs)
+            client, close_sentinels, check = sentinel_client(target, settings, sentinel_kwargs)
             closers.append(close_sentinels)
         else:
             client = client_from_url(target, settings)
@@ -219,7 +228,7 @@ class Node:
         calls = _Calls(
             redact_url(target), timeout, target, (), _slots(client), authenticated=authenticated
         )
-        return cls(client, calls, owned=True, settings=settings, closers=closers)
+        return cls(client, calls, owned=True, settings=settings, closers=closers, check=check)
 
     def _keys(self, group: str) -> tuple[str, str, str]:
         p = self.prefix
@@ -228,6 +237,37 @@ class Node:
             _scripts.token_key(p, group),
             _scripts.channel_name(p, group),
         )
+
+    async def _write(
+        self, script: AsyncScript, keys: list[str], args: list[str | int], lease_ms: int
+    ) -> tuple[Any, int | None]:
+        """Run a script that starts or extends a term; return its reply, and with
+        ``wait_replicas`` how many replicas acknowledged it (``WAIT``, else None).
+
+        Behind Sentinel, the sentinels are asked first which node is the master (the
+        write goes there, or nowhere if none answers). ``WAIT`` counts the replicas that
+        have the connection's last write, so it goes in one pipeline with the script, on
+        the same connection: a retry after a broken connection resends both.
+        """
+        if self._check is not None:
+            await self._check()
+        wanted = self.settings.wait_replicas
+        if not wanted:
+            return await script(keys=keys, args=args), None
+        for loaded in (False, True):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.wait(wanted, self.settings.wait_ms(lease_ms))
+            reply, replicas = await pipe.execute(raise_on_error=False)
+            if isinstance(reply, NoScriptError) and not loaded:
+                # A new master (a failover) or a restart has an empty script cache.
+                script.sha = await self.client.script_load(script.script)
+                continue
+            break
+        for result in (reply, replicas):
+            if isinstance(result, Exception):
+                raise result
+        return reply, int(replicas)
 
     async def acquire(
         self,
@@ -246,12 +286,12 @@ class Node:
         args: list[str | int] = [
             participant_id, lease_ms, metadata, candidate, int(clock_floor), channel, attempt,
         ]  # fmt: skip
-        script = self._acquire(keys=[lease, counter], args=args)
-        reply = await self.calls.call("acquire", script, limit=within)
+        write = self._write(self._acquire, [lease, counter], args, lease_ms)
+        reply, replicas = await self.calls.call("acquire", write, limit=within)
         if not reply:
             return None
         token, acquired_at = reply
-        return Granted(int(_text(token)), _time(acquired_at))
+        return Granted(int(_text(token)), _time(acquired_at), replicas)
 
     async def renew(
         self,
@@ -262,9 +302,24 @@ class Node:
         metadata: str,
         within: float | None = None,
     ) -> bool:
+        """Extend the participant's lease with *token*; False if it is not live here.
+
+        With ``wait_replicas``, a renewal fewer replicas acknowledged raises
+        `ProviderError`: the term must not count on it (a failover may lose it).
+        """
         lease, _, _ = self._keys(group)
-        script = self._renew(keys=[lease], args=[participant_id, token, lease_ms, metadata])
-        return int(await self.calls.call("renew", script, limit=within)) == 1
+        args: list[str | int] = [participant_id, token, lease_ms, metadata]
+        write = self._write(self._renew, [lease], args, lease_ms)
+        reply, replicas = await self.calls.call("renew", write, limit=within)
+        renewed = int(reply) == 1
+        wanted = self.settings.wait_replicas
+        if renewed and replicas is not None and replicas < wanted:
+            raise ProviderError(
+                f"redis renew of {group!r} on {self.label}: only {replicas} of the "
+                f"{wanted} replicas asked for acknowledged it within "
+                f"{self.settings.wait_ms(lease_ms)} ms (wait_replicas): not counted"
+            )
+        return renewed
 
     async def release(
         self,

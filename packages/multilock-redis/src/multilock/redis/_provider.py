@@ -18,26 +18,36 @@ all groups) and exactly at lease expiry, never on a renewal.
 Failure modes. A Redis without persistence that restarts forgets the lease: a second
 leader can be elected while the first one still believes it leads, until its next renew
 fails (at most ``renew_interval`` later, and never past its deadline); in that window
-only the fencing token protects the shared resource. The same holds after a Sentinel
-failover to a replica that had not received the last writes (replication is
-asynchronous). Every call is bounded by ``socket_connect_timeout + socket_timeout``; the
-driver retries only a broken connection, once and at once; failures raise `ProviderError`.
+only the fencing token protects the shared resource. The same holds after a failover
+to a replica that had not received the last writes (replication is asynchronous),
+unless ``wait_replicas`` is set: then every acquire and renew is followed by ``WAIT``
+on the same connection, an acquire that fewer replicas acknowledged is not won (it is
+released, and `ProviderError` says why) and such a renew does not count (`ProviderError`:
+the term keeps its earlier deadline). Behind Sentinel, every acquire and renew first
+asks the sentinels which node is the master and goes there (see `_sentinel`), so a
+client does not go on writing to an old master. Every call is bounded by
+``socket_connect_timeout + socket_timeout``; the driver retries only a broken connection,
+once and at once; failures raise `ProviderError`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 from redis.asyncio import Redis
 
-from multilock.core.provider import ConfigurationError, LeaderInfo, Notifications
+from multilock.core.provider import ConfigurationError, LeaderInfo, Notifications, ProviderError
 
 from ._base import RedisBase
 from ._config import Settings, split_url
 from ._node import Node, encode_metadata, lease_ms
 
 __all__ = ["RedisProvider", "lease_ms"]
+
+log = logging.getLogger(__name__)
 
 _SCHEMES = ("redis", "rediss", "redis+sentinel")
 
@@ -48,10 +58,13 @@ class RedisProvider(RedisBase):
     *client* is a URL (``redis://``, ``rediss://``, ``redis+sentinel://``; the provider
     builds a client with short timeouts, no retries and a bounded pool, and closes it in
     `aclose`) or an existing ``redis.asyncio.Redis``, which the provider uses as it is and
-    never closes. A URL may carry ``key_prefix``, ``socket_timeout`` and
-    ``socket_connect_timeout`` in its query string (keyword arguments win), and the
-    options redis-py takes (``client_name``, ``max_connections``...); any other name is
-    refused with the list of the known ones.
+    never closes. A URL may carry ``key_prefix``, ``socket_timeout``,
+    ``socket_connect_timeout``, ``wait_replicas`` and ``wait_timeout`` in its query string
+    (keyword arguments win), and the options redis-py takes (``client_name``,
+    ``max_connections``...); any other name is refused with the list of the known ones.
+    ``wait_replicas`` (default 0: none) is how many replicas must acknowledge every
+    acquire and renew, within ``wait_timeout`` (default: the smaller of lease/5 and
+    half the ``socket_timeout``); set it to the number of replicas a failover may promote.
     ``sentinel_kwargs`` (e.g. the sentinels' own password) applies to ``redis+sentinel://``
     only. Use a provider from one event loop.
     """
@@ -63,6 +76,8 @@ class RedisProvider(RedisBase):
         key_prefix: str | None = None,
         socket_timeout: float | None = None,
         socket_connect_timeout: float | None = None,
+        wait_replicas: int | None = None,
+        wait_timeout: float | timedelta | None = None,
         sentinel_kwargs: dict[str, Any] | None = None,
     ) -> None:
         query: dict[str, str] = {}
@@ -77,6 +92,8 @@ class RedisProvider(RedisBase):
             key_prefix=key_prefix,
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_connect_timeout,
+            wait_replicas=wait_replicas,
+            wait_timeout=wait_timeout,
         )
         if self._settings.node_timeout is not None:
             raise ConfigurationError("node_timeout is an option of redlock:// URLs only")
@@ -88,7 +105,9 @@ class RedisProvider(RedisBase):
         )
 
     def __repr__(self) -> str:
-        return f"<RedisProvider {self._node.label} key_prefix={self.key_prefix!r}>"
+        wait = self._settings.wait_replicas
+        waiting = f" wait_replicas={wait}" if wait else ""
+        return f"<RedisProvider {self._node.label} key_prefix={self.key_prefix!r}{waiting}>"
 
     async def try_acquire(
         self,
@@ -106,6 +125,22 @@ class RedisProvider(RedisBase):
         )
         if granted is None:
             return None
+        wanted = self._settings.wait_replicas
+        if granted.replicas is not None and granted.replicas < wanted:
+            # Not won: a failover now could hand the master to a replica without this
+            # lease. Released at once, so nobody waits for it to expire; if the release
+            # fails, the lease is found by `get_leader` and taken up with a renew, which
+            # must be acknowledged in turn.
+            try:
+                await self._node.release(group, participant_id, granted.token)
+            except ProviderError as exc:
+                log.debug("releasing the unacknowledged lease of %s failed: %s", group, exc)
+            raise ProviderError(
+                f"redis acquire of {group!r} on {self._node.label}: only {granted.replicas} of "
+                f"the {wanted} replicas asked for acknowledged it within "
+                f"{self._settings.wait_ms(lease_ms(lease_duration))} ms (wait_replicas): "
+                "not won, released"
+            )
         return LeaderInfo(
             participant_id=participant_id,
             token=granted.token,

@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 import attrs
 from redis.asyncio import Redis
 
-from multilock.core.provider import LeaderInfo, Notifications, ProviderError
+from multilock.core.provider import ConfigurationError, LeaderInfo, Notifications, ProviderError
 
 from ._base import RedisBase
 from ._config import Settings, redlock_targets
@@ -133,6 +133,11 @@ class RedlockProvider(RedisBase):
             socket_connect_timeout=socket_connect_timeout,
             node_timeout=node_timeout,
         )
+        if self._settings.wait_replicas or self._settings.wait_timeout is not None:
+            raise ConfigurationError(
+                "wait_replicas and wait_timeout are options of RedisProvider: Redlock's "
+                "servers are independent, with no replicas to wait for"
+            )
         timeout = self._settings.node_timeout or self._settings.socket_timeout
         self._nodes = [Node.build(t, self._settings, timeout=timeout) for t in targets]
         self.quorum = len(self._nodes) // 2 + 1
