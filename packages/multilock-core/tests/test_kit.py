@@ -415,3 +415,39 @@ def test_a_watch_cancelled_during_its_expiry_read_leaves_the_hub_consistent():
         await hub.aclose()
 
     run(body)
+
+
+def test_notifications_close_is_bounded_when_the_listener_ignores_its_cancellation(caplog):
+    """A driver stuck in a read that swallows the cancel cannot hold aclose() for ever."""
+    from multilock.core.testing import FakeClock
+
+    clock = FakeClock()
+    stuck: list[asyncio.Task[None]] = []
+    release = asyncio.Event()
+
+    async def listen(notifications):
+        stuck.append(asyncio.current_task())
+        notifications.ready()
+        while not release.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue  # a driver that swallows it, until released
+
+    async def main():
+        notifications = Notifications(listen, name="stuck")
+        stream = notifications.watch("g")
+        await anext(stream)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await notifications.aclose()
+        waited = loop.time() - started
+        release.set()
+        stuck[0].cancel()
+        await asyncio.wait(stuck)
+        await stream.aclose()
+        return waited
+
+    waited = clock.run(main())
+    assert 4.9 <= waited <= 5.1, waited
+    assert "did not stop within 5 s" in caplog.text

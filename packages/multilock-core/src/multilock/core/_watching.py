@@ -100,6 +100,10 @@ class _Watcher:
         self.failed: BaseException | None = None
 
 
+#: Seconds `Notifications.aclose` waits for a cancelled listener to end.
+CLOSE_TIMEOUT = 5.0
+
+
 class Notifications:
     """Fan one listener's notifications out to the watches of many groups.
 
@@ -259,5 +263,12 @@ class Notifications:
         for each in tasks:
             each.cancel()
         if tasks:
-            await asyncio.wait(tasks)
+            # Bounded: a driver blocked in a read that ignores the cancellation must not
+            # hold the provider's close for ever (its task settles, or not, on its own).
+            _, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
+            if pending:
+                log.warning(
+                    "%s: the listener did not stop within %g s of its cancellation; "
+                    "closing without it", self._name, CLOSE_TIMEOUT,
+                )  # fmt: skip
         self._fail(ProviderError(f"{self._name} is closed"))
