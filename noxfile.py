@@ -4,9 +4,9 @@ Sessions:
 - ci: everything CI checks: server install, ruff, mypy --strict, unit, packaging, sample,
   integration (real servers) and fault-injection tests.
 - lint, typecheck, tests (no servers), integration, faults (the long fault campaign),
-  freezes (``multilock run`` with frozen supervisors, long), demo, bench, compose (against
-  docker-compose.yml), simulate (the deterministic simulator, long), simulate_holders (its
-  semaphore and shards worlds, long).
+  freezes (``multilock run`` with frozen supervisors, long), clusters (the cluster
+  campaign, long), demo, bench, compose (against docker-compose.yml), simulate (the
+  deterministic simulator, long), simulate_holders (its semaphore and shards worlds, long).
 """
 
 from __future__ import annotations
@@ -146,6 +146,29 @@ def freezes(session: nox.Session) -> None:
         "MULTILOCK_FREEZES_OUT": str(ROOT / "freezes-report.json"),
     }
     session.run("pytest", "integration/test_freezes.py", "-p", "no:cacheprovider",
+                *session.posargs, env=env)  # fmt: skip
+
+
+@nox.session
+def clusters(session: nox.Session) -> None:
+    """The cluster campaign, long: 300 faults per clustered store (``nox -s clusters``).
+
+    etcd with three members, a three-server ZooKeeper ensemble, Redis behind Sentinel (with
+    and without ``wait_replicas``), Redlock over five nodes and PostgreSQL with a standby
+    (asynchronous and synchronous), each node behind proxies; the store's leader or primary
+    is killed, cut off from the clients or its peers, a minority restarted, the store failed
+    over, between participant faults. ``MULTILOCK_CLUSTER_FAULTS``, ``MULTILOCK_CLUSTER_SEED``
+    and ``MULTILOCK_CLUSTERS`` (comma-separated names) may be set; the summary is written to
+    ``clusters-report.json``.
+    """
+    _servers(session)
+    _install_all(session)
+    env = {
+        "MULTILOCK_CLUSTER_FAULTS": os.environ.get("MULTILOCK_CLUSTER_FAULTS", "300"),
+        "MULTILOCK_CLUSTER_SEED": os.environ.get("MULTILOCK_CLUSTER_SEED", "1"),
+        "MULTILOCK_CLUSTER_OUT": str(ROOT / "clusters-report.json"),
+    }
+    session.run("pytest", "integration/test_cluster_campaign.py", "-p", "no:cacheprovider",
                 *session.posargs, env=env)  # fmt: skip
 
 
