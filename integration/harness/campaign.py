@@ -352,19 +352,33 @@ class Campaign:
                 self.log.wait_started([member], since=at)
 
     def _outcome(
-        self, kind: str, old: Member, token: int, since: float, deadline: float
+        self,
+        kind: str,
+        old: Member,
+        token: int,
+        since: float,
+        deadline: float,
+        started: float | None = None,
     ) -> Outcome:
-        """Wait for a sole leader, whose term began by *deadline* unless it is the old one."""
+        """Wait for a sole leader, whose term began by *deadline* unless it is the old one.
+
+        *started*, when known, is when the old term began: a later term with the same
+        token (a store that lost the old term's acquire) is then a new term.
+        """
         # After a failover or handoff kind the old term must be over; otherwise it may go on.
         ends = kind in FAILOVER_KINDS | HANDOFF_KINDS
         # The wait goes on past *deadline* (SETTLE) for older terms to log their end.
         wait = max(deadline - time.monotonic(), 0.0) + SETTLE
-        found = self.log.wait_for_leader(wait, newer_than=token if ends else token - 1)
-        if found is not None and found[1] == token and not self._still_valid(old, token):
-            found = self.log.wait_for_leader(wait, newer_than=token)  # it was ending
+        after = started if ends else None
+        found = self.log.wait_for_leader(wait, newer_than=token if ends else token - 1, after=after)
         assert found is not None
+        same = found[1] == token and (started is None or found[2] == started)
+        if same and not self._still_valid(old, token):
+            found = self.log.wait_for_leader(wait, newer_than=token, after=started)  # ending
+            assert found is not None
+            same = False
         new, new_token, acquired = found
-        kept = new_token == token
+        kept = same
         assert kept or acquired <= deadline, (
             f"the next term began {acquired - since:.3f} s after the fault, "
             f"{acquired - deadline:.3f} s past the bound; logs:\n{self.log.tail()}"

@@ -160,16 +160,27 @@ class ClusterLog:
         return max(terms, key=lambda term: term[1])
 
     def wait_for_leader(
-        self, timeout: float, *, newer_than: int = 0, sole: bool = True, required: bool = True
+        self,
+        timeout: float,
+        *,
+        newer_than: int = 0,
+        sole: bool = True,
+        required: bool = True,
+        after: float | None = None,
     ) -> tuple[Member, int, float] | None:
-        """Wait for a leader (see `leader`) with a token above *newer_than*.
+        """Wait for a leader (see `leader`) with a token above *newer_than*, or, with
+        *after*, equal to it in a term that began later (a store that lost a write may
+        hand the same token out twice).
 
         On timeout raise `AssertionError`, or return None when not *required*.
         """
         deadline = time.monotonic() + timeout
         while True:
             found = self.leader(sole=sole)
-            if found is not None and found[1] > newer_than:
+            if found is not None and (
+                found[1] > newer_than
+                or (after is not None and found[1] == newer_than and found[2] > after)
+            ):
                 return found
             if time.monotonic() > deadline:
                 if not required:

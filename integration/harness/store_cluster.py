@@ -172,7 +172,7 @@ class ClusterCampaign(Campaign):
             return super()._throw(kind)
         found = self.log.wait_for_leader(self.bound + RECOVERY_BOUND)
         assert found is not None
-        leader, token, _ = found
+        leader, token, started = found
         self._lag = None
         at = time.monotonic()
         fault = self._injectors[kind](self.rng, self.lease)
@@ -182,7 +182,7 @@ class ClusterCampaign(Campaign):
         self.store.wait_whole(self.bound + RECOVERY_BOUND)
         self._heal()
         deadline = time.monotonic() + self.bound + RECOVERY_BOUND
-        return self._outcome(kind, leader, token, at, deadline)
+        return self._outcome(kind, leader, token, at, deadline, started)
 
 
 def plan_store(kinds: Sequence[str], store_kinds: Sequence[str], count: int | None,

@@ -20,13 +20,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard
 
 import psycopg
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from multilock.core.provider import ConfigurationError, ProviderError, to_seconds
 
-from ._conninfo import ConnInfo
+from ._conninfo import ConnInfo, connect_bound, host_count
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
@@ -85,12 +85,22 @@ class Connections:
         self.closed = False
 
     @property
+    def connect_bound(self) -> float:
+        """How long opening one of our own connections may take (all hosts tried)."""
+        return self.info.connect_bound if self.info is not None else self.connect_timeout
+
+    @property
     def secrets(self) -> tuple[str, ...]:
         return self.info.secrets if self.info is not None else ()
 
     async def connect(self, conninfo: str, **kwargs: Any) -> Connection:
-        """Open an autocommit connection of our own, with the statement timeout set."""
-        async with asyncio.timeout(self.connect_timeout):
+        """Open an autocommit connection of our own, with the statement timeout set.
+
+        With several hosts (a primary and its standbys), libpq tries each in turn within
+        its own ``connect_timeout``: the bound allows for every one of them.
+        """
+        hosts = host_count(conninfo_to_dict(conninfo, **kwargs))
+        async with asyncio.timeout(connect_bound(self.connect_timeout, hosts)):
             conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True, **kwargs)
         try:
             await conn.execute(

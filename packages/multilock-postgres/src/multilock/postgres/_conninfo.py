@@ -23,7 +23,7 @@ from multilock.core.provider import (
     to_seconds,
 )
 
-__all__ = ["SCHEMES", "ConnInfo", "libpq_keywords", "split_url"]
+__all__ = ["SCHEMES", "ConnInfo", "connect_bound", "host_count", "libpq_keywords", "split_url"]
 
 SCHEMES = ("postgresql", "postgres")
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -43,6 +43,14 @@ class ConnInfo:
     connect_timeout: float
     #: The password in every spelling a message may hold.
     secrets: tuple[str, ...] = attrs.field(repr=False, default=())
+    #: How many hosts the string names (libpq tries them in turn, each within its
+    #: ``connect_timeout``).
+    hosts: int = 1
+
+    @property
+    def connect_bound(self) -> float:
+        """How long opening a connection may take (see `connect_bound`)."""
+        return connect_bound(self.connect_timeout, self.hosts)
 
     @classmethod
     def parse(cls, text: str, connect_timeout: float | timedelta | None) -> ConnInfo:
@@ -81,18 +89,24 @@ class ConnInfo:
         seconds = to_seconds(connect_timeout, "connect_timeout")
         # Bound connecting (libpq counts whole seconds, at least 2), and let the kernel
         # find dead peers of idle connections, such as a watch's LISTEN connection.
-        defaults = {
+        defaults: dict[str, str | int] = {
             "connect_timeout": max(2, math.ceil(seconds)),
             "keepalives": 1,
             "keepalives_idle": 5,
             "keepalives_interval": 2,
             "keepalives_count": 3,
         }
+        hosts = host_count(params)
+        if hosts > 1:
+            # A primary and its standbys: every call writes, so only the primary will do
+            # (libpq then skips a standby, and finds a promoted one after a failover).
+            defaults["target_session_attrs"] = "read-write"
         return cls(
             conninfo=make_conninfo(text, **{k: v for k, v in defaults.items() if k not in params}),
             shown=shown,
             connect_timeout=seconds,
             secrets=tuple(s for s in spellings if s),
+            hosts=hosts,
         )
 
 
@@ -126,6 +140,21 @@ def split_url(url: str) -> tuple[str, dict[str, str]]:
     # quote_via=quote: libpq decodes %20 but not '+' as a space.
     rest = urlencode([(k, v) for k, v in query if k not in _OURS], quote_via=quote)
     return urlunsplit(parts._replace(query=rest)), ours
+
+
+def connect_bound(connect_timeout: float, hosts: int) -> float:
+    """How long opening a connection may take: *connect_timeout*, or, when several hosts
+    are named, libpq's timeout for each of them in turn (a host that does not answer must
+    not use up the time of the next one, which may be the primary)."""
+    if hosts <= 1:
+        return connect_timeout
+    return hosts * max(2.0, float(math.ceil(connect_timeout)))
+
+
+def host_count(params: dict[str, Any]) -> int:
+    """How many hosts a parsed conninfo names (``host`` or ``hostaddr``, comma-separated)."""
+    names = [str(params.get(key) or "") for key in ("host", "hostaddr")]
+    return max([1, *(len(text.split(",")) for text in names if text)])
 
 
 def _libpq_timeout(value: Any) -> float:

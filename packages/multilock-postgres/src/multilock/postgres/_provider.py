@@ -29,6 +29,14 @@ restarted) is retried once on a fresh one. Calls are bounded by ``connect_timeou
 (psycopg may take a few more seconds to cancel a query it was interrupted in). A
 connection or pool passed in is never closed or reconnected here. When the LISTEN
 connection breaks, every open watch raises `ProviderError`; the next ``watch`` listens anew.
+
+A primary and its standbys: a URL or conninfo naming several hosts goes to libpq whole,
+with ``target_session_attrs=read-write`` added unless it says otherwise, so every
+connection, the LISTEN one included, goes to the node that accepts writes, and after a
+failover to the promoted standby (the old primary's connections break; the calls and the
+watches reconnect as above). Connecting is bounded by ``connect_timeout`` per host named,
+as libpq tries them in turn. A table lost in a failover (created just before it) is
+created again. What survives the failover is the replication's business: see the README.
 """
 
 from __future__ import annotations
@@ -92,7 +100,7 @@ class PostgresProvider(Provider):
         self._calls = PostgresCalls(
             "postgres",
             self._connections.where,
-            timeout=self._connections.connect_timeout + statement_seconds + 1.0,
+            timeout=self._connections.connect_bound + statement_seconds + 1.0,
             failures=(psycopg.Error, OSError),
             secrets=self._connections.secrets,
         )
@@ -153,7 +161,14 @@ class PostgresProvider(Provider):
 
     async def _query(self, op: str, query: bytes, params: Mapping[str, Any]) -> list[Any]:
         await self._ensure_table()
-        return await self._run(op, query, params)
+        try:
+            return await self._run(op, query, params)
+        except ProviderError as exc:
+            if isinstance(exc.__cause__, errors.UndefinedTable):
+                # The table is gone: dropped, or lost with the last commits of a primary
+                # that failed over to a standby it had not reached. Make it again next call.
+                self._ready = False
+            raise
 
     async def try_acquire(
         self,
