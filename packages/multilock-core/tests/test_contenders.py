@@ -168,3 +168,14 @@ def test_the_contract_catches_a_wrong_line(wrong: str) -> None:
                 only="contenders_start_with_the_leader",
             )
         )
+
+
+def test_the_sync_election_asks_the_same_question():
+    from multilock.core import UnsupportedOperation
+    from multilock.core.sync import LeaderElection as SyncElection
+
+    with (
+        SyncElection("memory://sync-contenders", group="g") as election,
+        pytest.raises(UnsupportedOperation, match="InMemoryProvider cannot list"),
+    ):
+        election.contenders()

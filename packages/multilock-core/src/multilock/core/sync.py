@@ -320,6 +320,12 @@ class LeaderElection(Lifetime):
         """Ask the store for the live leader (None when nobody holds a live lease)."""
         return self._call("current_leader()", self._election.current_leader)
 
+    def contenders(self) -> tuple[str, ...]:
+        """Ask the store for the group's live candidates, the leader first (see the async
+        `LeaderElection.contenders`); `UnsupportedOperation` where the store cannot list them.
+        """
+        return self._call("contenders()", self._election.contenders)
+
     def events(self, kinds: EventKind = EventKind.ALL) -> EventIterator:
         """Subscribe to this election's events, as a blocking iterator.
 
