@@ -29,7 +29,7 @@ from typing import Any, TypedDict, Unpack
 
 from ._election import LeaderElection
 from ._errors import ConfigurationError, LeadershipLost, MultilockError
-from ._names import to_seconds
+from ._names import default_participant_id, to_seconds
 from ._options import Duration, ElectionOptions
 from ._provider import Provider
 from ._types import EventKind, Leadership
@@ -71,6 +71,8 @@ def holder_options(
         if refused in fields:
             raise ConfigurationError(f"{kind} takes no {refused!r} option: {why}")
     given = dict(fields)
+    # One participant for every group of the holder: drawn once, not once per group.
+    given.setdefault("participant_id", default_participant_id())
     if lease_duration is not None:
         given["lease_duration"] = lease_duration
     return [ElectionOptions.from_fields({**given, "group": group}) for group in groups]

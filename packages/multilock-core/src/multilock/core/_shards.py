@@ -32,6 +32,7 @@ from ._calls import call_until, cancel_and_wait, describe_callable, is_async_cal
 from ._election import LeaderElection
 from ._errors import ConfigurationError, LeadershipLost, MultilockError
 from ._lock import HolderFields, acquire_one, check_count, holder_options, keep, stop_all
+from ._names import default_participant_id
 from ._options import Duration
 from ._provider import Provider
 from ._types import EventKind, LeaderInfo, Leadership
@@ -98,8 +99,9 @@ class Shards:
         self._name = name
         shards = [shard_group(name, i) for i in range(self._count)]
         members = [member_group(name, i) for i in range(self._count)]
-        self._shard_options = holder_options("shards", shards, lease_duration, options)
-        self._member_options = holder_options("shards", members, lease_duration, options)
+        fields: dict[str, Any] = {"participant_id": default_participant_id(), **options}
+        self._shard_options = holder_options("shards", shards, lease_duration, fields)
+        self._member_options = holder_options("shards", members, lease_duration, fields)
         options_ = self._shard_options[0]
         provider.lease_bounds.check(options_.lease_duration, type(provider).__name__)
         self._retry = options_.retry_interval
@@ -295,7 +297,9 @@ class Shards:
                 self._name, len(failed), len(groups), failed[0],
             )  # fmt: skip
             return
-        live = sum(1 for r in results if r is not None)
+        # Distinct participants, not occupied slots: one rejoining after an outage may hold
+        # several slots for a moment, before it stops all but one.
+        live = len({r.participant_id for r in results if isinstance(r, LeaderInfo)})
         if live != self._live:
             log.info("shards %s: %d live participant(s)", self._name, live)
             self._live = live
