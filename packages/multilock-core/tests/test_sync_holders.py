@@ -243,13 +243,17 @@ def test_close_releases_the_holders_of_other_threads(
 
 
 def test_bad_options_raise_at_construction(clock: FakeClock, store: InMemoryProvider) -> None:
+    def loop_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("multilock-sync-")}
+
+    before = loop_threads()  # an earlier test's loop thread may still be ending
     with pytest.raises(ConfigurationError, match="group"):
         Lock(store, NAME, loop_factory=clock.new_event_loop, group="x")  # type: ignore[call-arg]
     with pytest.raises(ConfigurationError, match="limit"):
         Semaphore(store, NAME, 0, loop_factory=clock.new_event_loop)
     with pytest.raises(ConfigurationError, match="Provider"):
         Shards(object(), NAME, 2, loop_factory=clock.new_event_loop)  # type: ignore[arg-type]
-    assert not [t for t in threading.enumerate() if t.name.startswith("multilock-sync-")]
+    assert not loop_threads() - before  # refused before any loop thread was started
 
 
 # ---------------------------------------------------------------------- Semaphore
