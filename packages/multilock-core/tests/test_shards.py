@@ -567,3 +567,35 @@ def test_properties_and_repr():
             assert "shard=5" in repr(view)
 
     run(body)
+
+
+def test_run_for_each_cancelled_at_any_step_leaves_no_work_and_keeps_the_shards():
+    async def body(clock, store):
+        running = set()
+        started = []
+
+        async def work(shard):
+            started.append(shard.shard)
+            running.add(shard.shard)
+            try:
+                await asyncio.sleep(math.inf)
+            finally:
+                running.discard(shard.shard)
+
+        async with shards(store, "a") as a:
+            await until(lambda: len(a.owned) == COUNT, STABLE)
+            for steps in [*range(12), None]:  # None: once every shard's work runs
+                started.clear()
+                runner = asyncio.create_task(a.run_for_each(work))
+                if steps is None:
+                    await until(lambda: len(started) == COUNT, STABLE)
+                for _ in range(steps or 0):
+                    await asyncio.sleep(0)
+                runner.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await runner
+                assert runner.cancelled(), steps
+                assert not running, (steps, running)  # every run it started has ended
+                assert len(a.owned) == COUNT  # cancelling the work gives no shard up
+
+    run(body)
