@@ -10,7 +10,6 @@ import pytest
 from multilock.core import ConfigurationError, LeaderElection, ProviderError, from_url
 from multilock.core.provider import LeaseBounds
 from multilock.zookeeper import ZooKeeperProvider
-from multilock.zookeeper._config import parse_url
 from multilock.zookeeper._provider import decode, encode
 from multilock.zookeeper._watch import ordered, token_of
 
@@ -25,17 +24,17 @@ def closed_port() -> int:
 
 
 def test_url_forms() -> None:
-    hosts, auth, _, options = parse_url(
+    provider = ZooKeeperProvider.from_url(
         "zookeeper://h1:2181,h2:2182/app/chroot?root=/x/y&session_timeout=3"
     )
-    assert hosts == "h1:2181,h2:2182/app/chroot"
-    assert auth is None
-    assert options == {"root": "/x/y", "session_timeout": 3.0}
-    hosts, *_ = parse_url("zk://h1")
-    assert hosts == "h1"
-    _, auth, shown, _ = parse_url(f"zookeeper://user:{SECRET}@h1:2181/")
-    assert auth == "user:s3cr@t"
-    assert "s3cr" not in shown
+    assert provider._hosts == "h1:2181,h2:2182/app/chroot"
+    assert provider._auth is None
+    assert (provider._settings.root, provider._settings.session_timeout) == ("/x/y", 3.0)
+    assert provider._settings.connect_timeout == 10.0  # not in the URL: the default
+    assert ZooKeeperProvider.from_url("zk://h1")._hosts == "h1"
+    provider = ZooKeeperProvider.from_url(f"zookeeper://user:{SECRET}@h1:2181/")
+    assert provider._auth == "user:s3cr@t"
+    assert "s3cr" not in repr(provider)
 
 
 @pytest.mark.parametrize(

@@ -1,20 +1,17 @@
 """`ZooKeeperProvider`: candidates queue as ephemeral sequential nodes; the lowest one leads.
 
 A participant's node, ``<root>/<group>/<random prefix>-<participant>-<sequence>``, holds a
-JSON record; the lowest sequence number (never the name) leads, and it plus one is the
-token. The group node counts the sequence and is never deleted, so tokens rise across
+JSON record. The lowest sequence number (never the name) leads, and it plus one is the
+token; the group node counts the sequence and is never deleted, so tokens rise across
 release, expiry, session loss and restarts. A candidate queues behind the leader, as in
-kazoo's recipe, and leads as soon as its watch shows it lowest, with no round trip. Nodes
-belong to this provider, keyed (group, participant). A node lives while its session does
-(``lease_bounds``: a lease is at least the session timeout) and while it is refreshed
-(``try_acquire``/``renew``) once per lease, or waits behind the leader with its group
-watched here: a timer on the event loop deletes it otherwise. SUSPENDED ends a term at
-once; a candidate in line keeps its place while kazoo reconnects, to the same server or
-another of the ensemble, within the session. A create whose reply was lost is found by
-its prefix; a cancelled ``try_acquire`` settles, then deletes a node it made.
-``contenders`` lists the candidate nodes in line, each read for its participant id. One
-kazoo client and session per provider, called through kazoo's asynchronous API from the
-loop; only connect and close block, in a thread.
+kazoo's recipe, and leads as soon as its watch shows it lowest, with no round trip. A node
+(one per group and participant of a provider) lives while its session does (a lease is at
+least the session timeout) and while it is refreshed once per lease, or waits in line with
+its group watched here: a loop timer deletes it otherwise. SUSPENDED ends a term at once;
+a candidate in line keeps its place while kazoo reconnects within the session. A create
+whose reply was lost is found by its prefix; a cancelled ``try_acquire`` settles, then
+deletes a node it made. One kazoo client and session per provider, called through kazoo's
+asynchronous API from the loop; only connect and close block, in a thread.
 """
 
 from __future__ import annotations
@@ -23,10 +20,12 @@ import asyncio
 import contextlib
 import functools
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
@@ -35,15 +34,48 @@ from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-un
 from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
 
-from multilock.core.provider import DriverCalls, LeaderInfo, LeaseBounds, Provider, ProviderError
+from multilock.core import ConfigurationError, LeaderInfo, ProviderError
+from multilock.core.provider import (
+    DriverCalls,
+    LeaseBounds,
+    Provider,
+    check_url_options,
+    redact_url,
+    to_seconds,
+)
 
-from ._config import Settings, parse_url
-from ._watch import RAISE, Views, future, ordered, token_of
+from ._watch import RAISE, Views, future, hop, ordered, token_of
 
 __all__ = ["ZooKeeperProvider"]
 
 FAILURES = (KazooException, KazooTimeoutError, OSError, json.JSONDecodeError, KeyError)
-Key = tuple[str, str]
+Key = tuple[str, str]  # (group, participant id)
+_SEGMENT = re.compile(r"[A-Za-z0-9_.\-:@+=,]{1,200}")  # no '/', printable ASCII
+_HOST = re.compile(r"[A-Za-z0-9_.\-\[\]:]+")
+
+
+def validate_root(value: Any, field: str = "root") -> str:
+    """Return an absolute ZooKeeper path like ``/multilock`` (no trailing slash)."""
+    if not isinstance(value, str) or not value.startswith("/") or value.endswith("/"):
+        raise ConfigurationError(f"{field} must be an absolute path like '/multilock'")
+    for segment in value[1:].split("/"):
+        if not _SEGMENT.fullmatch(segment) or segment in (".", "..", "zookeeper"):
+            raise ConfigurationError(f"{field} {value!r} has an invalid segment {segment!r}")
+    return value
+
+
+_SECONDS: Any = attrs.Converter(lambda v, f: to_seconds(v, f.name), takes_field=True)
+
+
+@attrs.frozen(kw_only=True)
+class Settings:
+    """The options of a provider; keywords win over the URL's query string."""
+
+    root: str = attrs.field(default="/multilock", converter=validate_root)
+    #: The shortest lease; kazoo's default, so a plain ``KazooClient()`` passed in matches.
+    session_timeout: float = attrs.field(default=10.0, converter=_SECONDS)  # type: ignore[misc]
+    connect_timeout: float = attrs.field(default=10.0, converter=_SECONDS)  # type: ignore[misc]
+    operation_timeout: float = attrs.field(default=5.0, converter=_SECONDS)  # type: ignore[misc]
 
 
 def encode(participant_id: str, metadata: Mapping[str, str], since: datetime | None) -> bytes:
@@ -55,12 +87,8 @@ def decode(token: int, data: bytes, mtime_ms: int) -> LeaderInfo:
     record = json.loads(data.decode())
     since = record.get("acquired_at")
     at = datetime.fromisoformat(since) if since else datetime.fromtimestamp(mtime_ms / 1000, UTC)
-    return LeaderInfo(
-        participant_id=record["participant_id"],
-        token=token,
-        metadata=record.get("metadata", {}),
-        acquired_at=at,
-    )
+    pid, meta = record["participant_id"], record.get("metadata", {})
+    return LeaderInfo(participant_id=pid, token=token, metadata=meta, acquired_at=at)
 
 
 @attrs.define(eq=False)
@@ -68,6 +96,7 @@ class Node:
     """One participant's candidate node in one group, as this provider knows it."""
 
     group: str
+    pid: str
     prefix: str
     session: int | None  # the session that owns (or will own) it: it goes with it
     name: str | None = None
@@ -91,7 +120,7 @@ class ZooKeeperProvider(Provider):
             "zookeeper", where, timeout=s.operation_timeout, failures=FAILURES, secrets=secrets
         )
         self._views = Views(s.root, self._calls)
-        self._loop: Any = None
+        self._listener: Any = None  # wakes every watch on a connection state change
         self._connecting: asyncio.Task[None] | None = None
         self._nodes: dict[Key, Node] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -100,8 +129,27 @@ class ZooKeeperProvider(Provider):
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> ZooKeeperProvider:
         """Build from ``zookeeper://[user:pass@]h1:2181,h2:2181[/chroot][?options]``."""
-        hosts, auth, shown, options = parse_url(url)
-        provider = cls(hosts, auth=auth, **{**options, **kwargs})
+        shown, parts = redact_url(url), urlsplit(url)
+        if parts.scheme not in ("zookeeper", "zk"):
+            raise ConfigurationError(f"not a ZooKeeper URL: {shown}")
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        if not hosts or not all(h and _HOST.fullmatch(h) for h in hosts.split(",")):
+            raise ConfigurationError(f"a ZooKeeper URL names host[:port],...: {shown}")
+        if chroot := parts.path.rstrip("/"):
+            validate_root(chroot, "chroot")
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        check_url_options([k for k, _ in pairs], attrs.fields_dict(Settings), scheme=parts.scheme)
+        options: dict[str, Any] = {}
+        for key, value in pairs:
+            try:
+                options[key] = value if key == "root" else float(value)
+            except ValueError:
+                raise ConfigurationError(f"{key} must be seconds, got {value!r}") from None
+        user, sep, password = userinfo.partition(":")
+        if userinfo and (not sep or not user):
+            raise ConfigurationError(f"credentials in a ZooKeeper URL are user:password: {shown}")
+        auth = f"{unquote(user)}:{unquote(password)}" if userinfo else None
+        provider = cls(hosts + chroot, auth=auth, **{**options, **kwargs})
         provider._calls.where = shown
         return provider
 
@@ -122,8 +170,13 @@ class ZooKeeperProvider(Provider):
     def _path(self, group: str, name: str = "") -> str:
         return f"{self._settings.root}/{group}" + (f"/{name}" if name else "")
 
-    def _kz(self, sent: Any, missing: Any = RAISE) -> asyncio.Future[Any]:
-        return future(self._loop, sent, missing)
+    def _ls(self, group: str, missing: Any = RAISE) -> asyncio.Future[Any]:
+        """List *group* (sent at once: requests sent back to back are pipelined)."""
+        return future(self._client.get_children_async(self._path(group)), missing)
+
+    def _read(self, group: str, name: str) -> asyncio.Future[Any]:
+        """Read a node's ``(data, stat)``; None once it is gone."""
+        return future(self._client.get_async(self._path(group, name)), None)
 
     def _session(self) -> int | None:
         owner = None if self._client is None else self._client.client_id
@@ -151,50 +204,43 @@ class ZooKeeperProvider(Provider):
             if self._closed:  # closed while connecting
                 await asyncio.to_thread(client.stop)
                 raise ProviderError(f"{self!r} is closed")
-        self._client, self._loop = client, asyncio.get_running_loop()
-        self._views.bind(client, self._loop)
-        client.add_listener(self._on_state)
-
-    def _on_state(self, _state: Any) -> None:  # kazoo's connection thread
-        with contextlib.suppress(RuntimeError):  # the loop is closed
-            self._loop.call_soon_threadsafe(self._views.state_changed)
+        self._client = self._views.client = client
+        loop = asyncio.get_running_loop()  # the listener runs in kazoo's connection thread
+        self._listener = functools.partial(hop, loop, self._views.state_changed)
+        client.add_listener(self._listener)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = self._loop.create_task(work)
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _arm(self, key: Key, node: Node, lease: float) -> None:
+    def _arm(self, node: Node, lease: float) -> None:
         """The reaper: delete *node* unless refreshed within *lease* (a loop timer)."""
         if node.timer is not None:
             node.timer.cancel()
-        node.timer = self._loop.call_later(lease, self._expire, key, node, lease)
+        node.timer = asyncio.get_running_loop().call_later(lease, self._expire, node, lease)
 
-    def _expire(self, key: Key, node: Node, lease: float) -> None:
-        # Queued behind the leader while its group is watched here: its participant
-        # follows (an idle follower refreshes nothing); once it leads, it must renew.
-        # Disconnected, a node in line when last seen waits for the session to be back
-        # (kazoo moving to another server): the view listed again then decides.
-        if self._queued(node) or (self._suspended() and self._queued(node, stale=True)):
-            self._arm(key, node, lease)
+    def _expire(self, node: Node, lease: float) -> None:
+        # Queued behind the leader, its group watched here: its participant follows (an
+        # idle follower refreshes nothing); once it leads, it must renew. Disconnected, a
+        # node in line when last seen waits for the session to be back: the view decides.
+        if self._queued(node, stale=self._client.state != KazooState.CONNECTED):
+            self._arm(node, lease)
         else:
-            self._forget(key, node)
+            self._forget(node)
 
     def _queued(self, node: Node, stale: bool = False) -> bool:
         line = self._views.known(node.group, stale)  # no read needed
         return line is not None and node.name in [name for _, name in line[1:]]
 
-    def _suspended(self) -> bool:
-        return self._client is not None and self._client.state != KazooState.CONNECTED
-
-    def _drop(self, key: Key, node: Node) -> None:
-        if self._nodes.get(key) is node:
-            del self._nodes[key]
+    def _drop(self, node: Node) -> None:
+        if self._nodes.get((node.group, node.pid)) is node:
+            del self._nodes[node.group, node.pid]
         if node.timer is not None:
             node.timer.cancel()
 
-    def _forget(self, key: Key, node: Node) -> None:
-        self._drop(key, node)
+    def _forget(self, node: Node) -> None:
+        self._drop(node)
         self._spawn(self._quietly("delete", lambda: self._remove(node)))
 
     async def _quietly(self, op: str, work: Callable[[], Any], delay: float = 0.0) -> None:
@@ -205,14 +251,12 @@ class ZooKeeperProvider(Provider):
     async def _remove(self, node: Node) -> None:
         """Delete *node* (by prefix if its create is in doubt), retrying while it may live."""
         try:
-            names = [node.name] if node.name is not None else []
-            if not names:
-                listing = await self._kz(
-                    self._client.get_children_async(self._path(node.group)), []
-                )
-                names = [c for c in listing if c.startswith(node.prefix)]
+            if node.name is None:
+                names = [c for c in await self._ls(node.group, []) if c.startswith(node.prefix)]
+            else:
+                names = [node.name]
             for name in names:
-                await self._kz(self._client.delete_async(self._path(node.group, name)), None)
+                await future(self._client.delete_async(self._path(node.group, name)), None)
         except (*FAILURES, asyncio.CancelledError):
             if not self._closed and self._session() in (None, node.session):
                 self._spawn(self._quietly("delete", lambda: self._remove(node), 0.5))
@@ -230,37 +274,37 @@ class ZooKeeperProvider(Provider):
         except asyncio.CancelledError:  # let it settle, then undo a node it made
             await asyncio.wait([work], timeout=self._settings.operation_timeout)
             for node in made:
-                self._drop((group, participant_id), node)
+                self._drop(node)
                 await self._quietly("try_acquire", functools.partial(self._remove, node))
             raise
 
     async def _acquire(
         self, group: str, pid: str, lease: float, meta: Mapping[str, str], made: list[Node]
     ) -> LeaderInfo | None:
-        client = await self._connect()
-        key = (group, pid)
-        node = self._nodes.get(key)
+        await self._connect()
+        node = self._nodes.get((group, pid))
         if node is None:
-            node = self._nodes[key] = Node(group, f"{uuid.uuid4().hex}-{pid}-", self._session())
-        self._arm(key, node, lease)  # deletes it even if the create below is left in doubt
+            node = Node(group, pid, f"{uuid.uuid4().hex}-{pid}-", self._session())
+            self._nodes[group, pid] = node
+        self._arm(node, lease)  # deletes it even if the create below is left in doubt
         if self._queued(node):
             return None  # queued behind the leader
         line = self._views.known(group)
         children = [node.name] if line and line[0][1] == node.name else []
         if node.sent and not children:  # made before, or a create's reply was lost
-            children = await self._kz(client.get_children_async(self._path(group)), [])
+            children = await self._ls(group, [])
             mine = sorted(c for c in children if c.startswith(node.prefix))
             node.name, node.seq = (mine[0], token_of(mine[0])) if mine else (None, None)
         if node.name is None:
             node.sent, node.acquired_at, node.stored = True, None, None
             made.append(node)
-            children = await self._create(client, node, pid, meta)
+            children = await self._create(node, meta)
         line = ordered(children)
         if not line or line[0][1] != node.name:
             return None  # queued behind the leader
         if node.acquired_at is None:  # its term starts: stamp the record, out of the way
             node.acquired_at = datetime.now(UTC)
-            self._spawn(self._quietly("try_acquire", lambda: self._write(client, node, pid, meta)))
+            self._spawn(self._quietly("try_acquire", lambda: self._write(node, meta)))
             stored: Mapping[str, str] | None = meta
         elif (stored := node.stored) is None:
             return None  # a repeated call while the record is in doubt: get_leader finds it
@@ -268,27 +312,25 @@ class ZooKeeperProvider(Provider):
             participant_id=pid, token=line[0][0], metadata=stored, acquired_at=node.acquired_at
         )
 
-    async def _create(self, client: Any, node: Node, pid: str, meta: Mapping[str, str]) -> Any:
+    async def _create(self, node: Node, meta: Mapping[str, str]) -> Any:
         """Create *node* and list the group right behind it, pipelined; return the listing."""
-        path, data = self._path(node.group, node.prefix), encode(pid, meta, None)
-        made = self._kz(client.create_async(
+        path, data = self._path(node.group, node.prefix), encode(node.pid, meta, None)
+        creating = self._client.create_async(
             path, data, ephemeral=True, sequence=True, makepath=True, include_data=True
-        ))  # fmt: skip
-        listing = self._kz(client.get_children_async(self._path(node.group)), None)
+        )
+        made, listing = future(creating), self._ls(node.group, None)
         path, stat = await made
         node.name = path.rpartition("/")[2]
         node.seq, node.session = token_of(node.name), stat.ephemeralOwner
         children = await listing  # None: the group node came with the create (makepath)
-        if children is None:
-            children = await self._kz(client.get_children_async(self._path(node.group)))
-        return children
+        return await self._ls(node.group) if children is None else children
 
-    async def _write(self, client: Any, node: Node, pid: str, meta: Mapping[str, str]) -> None:
+    async def _write(self, node: Node, meta: Mapping[str, str]) -> None:
         """Record ``acquired_at`` and the metadata on the leader's node, if not there yet."""
         if node.stored != meta:
             node.stored = None  # in doubt until the reply
-            data = encode(pid, meta, node.acquired_at)
-            await self._kz(client.set_async(self._path(node.group, str(node.name)), data))
+            data = encode(node.pid, meta, node.acquired_at)
+            await future(self._client.set_async(self._path(node.group, str(node.name)), data))
             node.stored = meta
 
     async def renew(
@@ -303,38 +345,35 @@ class ZooKeeperProvider(Provider):
             return False
         client = await self._connect()
         if client.state != KazooState.CONNECTED:
-            self._forget(key, node)  # deleted once reconnected, if the session lives
+            self._forget(node)  # deleted once reconnected, if the session lives
             return False
-        got = self._kz(client.get_async(self._path(node.group, node.name)), None)
-        listing = self._kz(client.get_children_async(self._path(node.group)), [])  # pipelined
+        got, listing = self._read(node.group, node.name), self._ls(node.group, [])  # pipelined
         reply, line, owner = await got, ordered(await listing), client.client_id
         if self._nodes.get(key) is not node:
             return False  # expired, released or forgotten meanwhile
         mine = reply is not None and owner is not None and reply[1].ephemeralOwner == owner[0]
         if not mine or not line or line[0][0] != token:
-            self._forget(key, node)
+            self._forget(node)
             return False
         node.acquired_at = node.acquired_at or datetime.now(UTC)
-        await self._write(client, node, key[1], meta)
-        self._arm(key, node, lease)
+        await self._write(node, meta)
+        self._arm(node, lease)
         return True
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
         node = self._nodes.get((group, participant_id))
         if node is not None and node.seq == token:
-            self._drop((group, participant_id), node)
+            self._drop(node)
             await self._calls.call("release", self._remove(node))
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
         return await self._calls.call("get_leader", self._get_leader(group))
 
     async def _get_leader(self, group: str) -> LeaderInfo | None:
-        client = await self._connect()
+        await self._connect()
         line = self._views.known(group)  # the watches tell, with no read: nobody, or who
-        if line is None:
-            line = ordered(await self._kz(client.get_children_async(self._path(group)), []))
-        for seq, name in line:
-            got = await self._kz(client.get_async(self._path(group, name)), None)
+        for seq, name in ordered(await self._ls(group, [])) if line is None else line:
+            got = await self._read(group, name)
             if got is not None:  # else gone since the listing: the next one leads
                 return decode(seq, got[0], got[1].mtime)
         return None
@@ -343,11 +382,10 @@ class ZooKeeperProvider(Provider):
         return await self._calls.call("contenders", self._contenders(group))
 
     async def _contenders(self, group: str) -> tuple[str, ...]:
-        """Read every candidate node, pipelined, in line: the lowest sequence number first."""
-        client = await self._connect()
-        line = ordered(await self._kz(client.get_children_async(self._path(group)), []))
-        reads = [self._kz(client.get_async(self._path(group, name)), None) for _, name in line]
-        records = await asyncio.gather(*reads)  # None: gone since the listing, not a candidate
+        """Read every candidate node, pipelined, in line; a node gone meanwhile is none."""
+        await self._connect()
+        line = ordered(await self._ls(group, []))
+        records = await asyncio.gather(*[self._read(group, name) for _, name in line])
         return tuple(json.loads(got[0])["participant_id"] for got in records if got is not None)
 
     def watch(self, group: str) -> AsyncIterator[None]:
@@ -357,20 +395,20 @@ class ZooKeeperProvider(Provider):
         if self._closed:
             return
         self._closed = True
-        nodes = list(self._nodes.items())
-        for key, node in nodes:
-            self._drop(key, node)
+        nodes = list(self._nodes.values())
+        for node in nodes:
+            self._drop(node)
         client = self._client
         if client is not None and client.state == KazooState.CONNECTED:
-            removals = (self._calls.call("aclose", self._remove(node)) for _, node in nodes)
+            removals = (self._calls.call("aclose", self._remove(node)) for node in nodes)
             await asyncio.gather(*removals, return_exceptions=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._calls.closed = self._views.closed = True
+        self._calls.closed = True
         self._views.state_changed()
         if client is not None:
-            client.remove_listener(self._on_state)
+            client.remove_listener(self._listener)
             if isinstance(self._hosts, str):
                 await asyncio.to_thread(client.stop)
                 await asyncio.to_thread(client.close)

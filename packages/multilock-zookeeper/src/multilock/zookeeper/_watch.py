@@ -1,12 +1,12 @@
 """kazoo's replies and watches on the event loop: `future`, and the `Views` of watched groups.
 
 A view is a group as its watches show it: its candidates (a children watch) and a data
-watch on the lowest, the leader. kazoo's watch and completion threads hop to the event
-loop, which alone keeps the views (no lock); a generation number drops a reply sent before
-a change the loop saw first. Watches wake when the leader changes: its node's deletion
-(applied at once, with no read: nodes only come after it), a listing with another lowest
-node, a change of its record (a term began), any connection state change (every view is
-then stale, and listed again once CONNECTED).
+watch on the lowest, the leader. kazoo's threads hop to the loop, which alone keeps the
+views (no lock); a generation number drops a reply sent before a change the loop saw
+first. Watches wake when the leader changes: its node's deletion (applied at once, with no
+read: nodes only come after it), a listing with another lowest node, a change of its
+record (a term began), any connection state change (every view is then stale, and listed
+again once CONNECTED).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kazoo.protocol.states import EventType, KazooState  # type: ignore[import-u
 
 from multilock.core.provider import DriverCalls, ProviderError
 
-__all__ = ["RAISE", "Views", "future", "ordered", "token_of"]
+__all__ = ["RAISE", "Views", "future", "hop", "ordered", "token_of"]
 
 RAISE: Any = object()  # `future`'s default: a NoNodeError fails it like any other error
 
@@ -39,12 +39,19 @@ def ordered(children: list[str]) -> list[tuple[int, str]]:
     return sorted((s, c) for c in children if (s := token_of(c)) is not None)
 
 
-def future(loop: asyncio.AbstractEventLoop, sent: Any, missing: Any = RAISE) -> asyncio.Future[Any]:
-    """The reply to kazoo request *sent* as a future of *loop*; NoNodeError gives *missing*."""
+def hop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Call *fn* on *loop* from one of kazoo's threads (a closed loop has nobody waiting)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def future(sent: Any, missing: Any = RAISE) -> asyncio.Future[Any]:
+    """The reply to kazoo request *sent* as a future of this loop; NoNodeError gives *missing*."""
+    loop = asyncio.get_running_loop()
     reply: asyncio.Future[Any] = loop.create_future()
     reply.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    def settle(_: Any = None) -> None:
+    def settle() -> None:
         if reply.done():
             return
         if sent.successful():
@@ -54,11 +61,7 @@ def future(loop: asyncio.AbstractEventLoop, sent: Any, missing: Any = RAISE) -> 
         else:
             reply.set_exception(sent.exception)
 
-    def hop(_: Any) -> None:  # in kazoo's completion thread
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            loop.call_soon_threadsafe(settle)
-
-    settle() if sent.ready() else sent.rawlink(hop)
+    settle() if sent.ready() else sent.rawlink(lambda _: hop(loop, settle))
     return reply
 
 
@@ -73,8 +76,7 @@ class View:
     generation: int = 0
     head: str | None = None  # the leader node, read with a data watch
     events: set[asyncio.Event] = attrs.field(factory=set)
-    on_children: Callable[[Any], None] = print  # kazoo keeps a function once: one per view
-    on_head: Callable[[Any], None] = print
+    on_event: Callable[[Any], None] = print  # kazoo keeps a function once: one per view
 
 
 class Views:
@@ -83,15 +85,10 @@ class Views:
     def __init__(self, root: str, calls: DriverCalls) -> None:
         self._root, self._calls = root, calls
         self._views: dict[str, View] = {}
-        self._client: Any = None
-        self._loop: Any = None
-        self.closed = False
-
-    def bind(self, client: Any, loop: asyncio.AbstractEventLoop) -> None:
-        self._client, self._loop = client, loop
+        self.client: Any = None  # the provider's, once connected
 
     def _up(self) -> bool:
-        return bool(self._client is not None and self._client.state == KazooState.CONNECTED)
+        return bool(self.client.state == KazooState.CONNECTED)
 
     def known(self, group: str, stale: bool = False) -> list[tuple[int, str]] | None:
         """The candidates of a current view of *group*; None: read the store. With
@@ -101,10 +98,6 @@ class Views:
             return None
         return view.line
 
-    def _hop(self, fn: Callable[[View, Any], None], view: View, event: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody watches
-            self._loop.call_soon_threadsafe(fn, view, event)
-
     def _wake(self, view: View) -> None:
         for event in view.events:
             event.set()
@@ -113,8 +106,8 @@ class Views:
         """List *view*'s group with a children watch; with *notify*, wake on news."""
         view.generation += 1
         view.pending, view.armed = True, False
-        sent = self._client.get_children_async(view.path, view.on_children)
-        reply = future(self._loop, sent, None)
+        sent = self.client.get_children_async(view.path, view.on_event)
+        reply = future(sent, None)
         reply.add_done_callback(functools.partial(self._listed, view, view.generation, notify))
         return reply
 
@@ -137,10 +130,9 @@ class Views:
         """Read the leader's record with a data watch: wake once its term is stamped."""
         head = view.line[0][1] if view.line else None
         if head is not None and head != view.head:
-            sent = self._client.get_async(f"{view.path}/{head}", view.on_head)
-            future(self._loop, sent, None).add_done_callback(
-                functools.partial(self._head_read, view, head)
-            )
+            sent = self.client.get_async(f"{view.path}/{head}", view.on_event)
+            reply = future(sent, None)
+            reply.add_done_callback(functools.partial(self._head_read, view, head))
         view.head = head
 
     def _head_read(self, view: View, head: str, reply: asyncio.Future[Any]) -> None:
@@ -148,25 +140,25 @@ class Views:
         if view.head == head and got is not None and b'"acquired_at"' in got[0]:
             self._wake(view)  # else its data watch wakes when the new leader stamps it
 
-    def _head_changed(self, view: View, event: Any) -> None:
-        name = (event.path or "").rpartition("/")[2]  # no path: a session event, see the listener
-        if self._views.get(view.path) is not view or name != view.head:
-            return
-        view.head = None  # its watch fired: set a new one
-        if view.current and event.type == EventType.DELETED:
-            view.line = [c for c in view.line if c[1] != name]
-            view.expected = view.armed  # its children event comes next
-        if view.current:
-            self._wake(view)  # the leader is gone, or its record changed (a term began)
-            self._watch_head(view)
-
-    def _children_changed(self, view: View, event: Any) -> None:
-        if self._views.get(view.path) is view and event.path:
+    def _changed(self, view: View, event: Any) -> None:
+        """The group's children watch or its leader's data watch fired."""
+        if self._views.get(view.path) is not view or not event.path:
+            return  # no path: a session event, see the listener
+        name = event.path.rpartition("/")[2]
+        if event.path == view.path:
             view.current, view.expected = view.expected and view.current, False
             with contextlib.suppress(*self._calls.failures):
                 self._list(view, notify=True)
+        elif name == view.head:
+            view.head = None  # its watch fired: set a new one
+            if view.current and event.type == EventType.DELETED:
+                view.line = [c for c in view.line if c[1] != name]
+                view.expected = view.armed  # its children event comes next
+            if view.current:
+                self._wake(view)  # the leader is gone, or its record changed (a term began)
+                self._watch_head(view)
 
-    def state_changed(self) -> None:
+    def state_changed(self, _state: Any = None) -> None:
         """A connection state change: every view is stale, every watch wakes."""
         for view in self._views.values():
             view.generation += 1
@@ -181,19 +173,19 @@ class Views:
         view = self._views.get(path)
         if view is None:
             view = self._views[path] = View(path)
-            view.on_children = functools.partial(self._hop, self._children_changed, view)
-            view.on_head = functools.partial(self._hop, self._head_changed, view)
+            loop = asyncio.get_running_loop()
+            view.on_event = functools.partial(hop, loop, self._changed, view)
         event = asyncio.Event()
         view.events.add(event)
         if view.armed:
             event.set()  # watched already: yield at once
         try:
-            while not self.closed:
+            while not self._calls.closed:
                 if not view.armed and not view.pending and self._up():
                     await self._start(view)
                 await event.wait()
                 event.clear()
-                if not self.closed:
+                if not self._calls.closed:
                     yield None
             raise ProviderError(f"the zookeeper provider for {self._calls.where} is closed")
         finally:
@@ -204,6 +196,6 @@ class Views:
     async def _start(self, view: View) -> None:
         """List and watch the group, first making its node if it is not there yet."""
         if await self._calls.call("watch", self._list(view, False)) is None:
-            made = future(self._loop, self._client.ensure_path_async(view.path))
+            made = future(self.client.ensure_path_async(view.path))
             await self._calls.call("watch", made)
             await self._calls.call("watch", self._list(view, False))
