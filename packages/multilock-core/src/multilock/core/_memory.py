@@ -181,7 +181,14 @@ class InMemoryProvider(Provider):
     def _notify(self, group: str) -> None:
         with self._store.lock:
             watchers = list(self._store.watchers.get(group, ()))
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
         for loop, event in watchers:
+            if loop is running:
+                event.set()  # this loop's own watchers: no wake-up through its self-pipe
+                continue
             # A closed loop raises RuntimeError: its watcher is being torn down anyway.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(event.set)
