@@ -26,7 +26,7 @@ from harness.fixtures_zookeeper import four_letter_word
 from multilock.core import ConfigurationError, LeaderElection, from_url
 from multilock.core.testing import Cluster
 from multilock.zookeeper import ZooKeeperProvider
-from multilock.zookeeper._watch import ordered
+from multilock.zookeeper._watch import Handler, ordered
 
 ROOT = "/multilock"
 
@@ -231,8 +231,11 @@ async def test_a_create_whose_reply_was_lost_is_recognised(
     async with ZooKeeperProvider(hosts(zookeeper_server)) as p:
         info = await p.try_acquire(group, "p1", 8.0, {})
         assert info is not None
-        # The provider forgets what the create answered, as if the reply had been lost.
         node = p._nodes[(group, "p1")]
+        # The term's record is stamped in the background; while that write is in doubt a
+        # repeated acquire answers None (get_leader finds the term), so let it land first.
+        await wait_for("the record stamped", lambda: node.stored is not None, 5)
+        # The provider forgets what the create answered, as if the reply had been lost.
         node.name = node.seq = None
         again = await p.try_acquire(group, "p1", 8.0, {})
         assert again is not None
@@ -338,6 +341,18 @@ async def test_an_existing_client_is_used_and_not_closed(
         assert info is not None
     assert raw.connected
     assert children(raw, group) == []  # aclose removed the node, but not the client
+    assert not isinstance(raw.handler, Handler)  # the caller's client keeps its own threads
+
+
+async def test_a_client_built_here_runs_callbacks_on_its_connection_thread(
+    zookeeper_server: BaseServer,
+) -> None:
+    # Our callbacks only hop to the loop: kazoo's callback threads would add a thread
+    # wake-up to every reply and watch event (a handoff's critical path).
+    async with ZooKeeperProvider(hosts(zookeeper_server)) as p:
+        assert await p.get_leader(fresh()) is None
+        assert p.client is not None
+        assert isinstance(p.client.handler, Handler)
 
 
 async def test_session_timeout_must_not_exceed_the_lease(zookeeper_server: BaseServer) -> None:

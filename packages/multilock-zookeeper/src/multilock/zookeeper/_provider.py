@@ -44,7 +44,7 @@ from multilock.core.provider import (
     to_seconds,
 )
 
-from ._watch import RAISE, Views, future, hop, ordered, token_of
+from ._watch import RAISE, Handler, Views, future, hop, ordered, token_of
 
 __all__ = ["ZooKeeperProvider"]
 
@@ -198,7 +198,9 @@ class ZooKeeperProvider(Provider):
             session = self._settings.session_timeout
             retry = KazooRetry(max_tries=-1, delay=0.05, max_delay=max(0.1, session / 4))
             auth = [("digest", self._auth)] if self._auth else None
-            client = KazooClient(self._hosts, session, connection_retry=retry, auth_data=auth)
+            client = KazooClient(
+                self._hosts, session, connection_retry=retry, auth_data=auth, handler=Handler()
+            )
             connecting = asyncio.to_thread(client.start, timeout)
             await self._calls.call("connect", connecting, limit=timeout + 1)
             if self._closed:  # closed while connecting

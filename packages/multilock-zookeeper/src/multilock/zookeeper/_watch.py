@@ -14,16 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import queue
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
 from kazoo.exceptions import NoNodeError  # type: ignore[import-untyped]
+from kazoo.handlers.threading import SequentialThreadingHandler  # type: ignore[import-untyped]
 from kazoo.protocol.states import EventType, KazooState  # type: ignore[import-untyped]
 
 from multilock.core.provider import DriverCalls, ProviderError
 
-__all__ = ["RAISE", "Views", "future", "hop", "ordered", "token_of"]
+__all__ = ["RAISE", "Handler", "Views", "future", "hop", "ordered", "token_of"]
+
+log = logging.getLogger(__name__)
 
 RAISE: Any = object()  # `future`'s default: a NoNodeError fails it like any other error
 
@@ -43,6 +48,30 @@ def hop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) ->
     """Call *fn* on *loop* from one of kazoo's threads (a closed loop has nobody waiting)."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
+
+
+class _Inline(queue.Queue[Any]):
+    """kazoo's callback queues, run as they are filled: each callback runs on the thread
+    that queues it (kazoo's connection thread), only the stop marker is queued.
+
+    Every callback of our own client only hops to the loop (`hop`), so handing it to
+    another of kazoo's threads first would add a thread wake-up to every reply and every
+    watch event, a handoff's critical path.
+    """
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if not callable(item):
+            return super().put(item, block, timeout)
+        try:
+            item()
+        except Exception:
+            log.exception("a kazoo callback raised")
+
+
+class Handler(SequentialThreadingHandler):  # type: ignore[misc]
+    """kazoo's threading handler with `_Inline` callback queues (for clients we build)."""
+
+    queue_impl = _Inline
 
 
 def future(sent: Any, missing: Any = RAISE) -> asyncio.Future[Any]:
