@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import floor
 import locks
 import plot
 import rebalance
@@ -151,6 +152,8 @@ def write_report(
         *_latency_table(results, "handoff", "handoffs"),
         "",
         *_round_trip_table(results),
+        "",
+        *_floor_table(results),
         "",
         "### Ping-pong",
         "",
@@ -355,6 +358,41 @@ def _round_trip_table(results: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _floor_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each notified handoff beside the same steps written directly on its driver."""
+    core = (results.get("memory", {}).get("handoff") or {}).get("p50")
+    lines = [
+        "### The driver's floor: the same handoff with no library",
+        "",
+        "The three steps of a notified handoff (the leader's release that notifies, the "
+        "store's notification reaching the follower, the follower's acquire) written "
+        "directly on the driver the provider uses (`floor.py`), as many times as the handoff "
+        f"phase, each after a {floor.GAP * 1000:g} ms pause as there, both clients on one "
+        "event loop. What is left between the two is the library's own work"
+        + (f" (the in-memory handoff, the core alone, is {core:.2f} ms here)." if core else ".")
+        + " Loopback round trips on this machine cost several times more after a pause than "
+        "back to back (see the table above): the floor includes those wake-ups.",
+        "",
+        "| backend | steps | handoffs | failed | floor p50 ms | floor p99 ms | multilock p50 ms "
+        "| multilock p99 ms | multilock - floor (p50) ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        f = r.get("floor")
+        if f is None:
+            if "floor_error" in r:
+                lines.append(f"| {name} | error: {r['floor_error']} ||||||||")
+            continue
+        h = r.get("handoff") or {}
+        extra = "n/a" if h.get("p50") is None or f["p50"] is None else f"{h['p50'] - f['p50']:.2f}"
+        lines.append(
+            f"| {name} | {f['operation']} | {f['count']} | {f['failures']} | {fmt(f['p50'], 2)} | "
+            f"{fmt(f.get('p99'), 2)} | "
+            f"{fmt(h.get('p50'), 2)} | {fmt(h.get('p99'), 2)} | {extra} |"
+        )
+    return lines
+
+
 def _exceptions(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
     lines = []
     for name, r in results.items():
@@ -494,6 +532,13 @@ def _bound(name: str, h: dict[str, Any], results: dict[str, dict[str, Any]], cor
         )
     elif delay == 0:
         parts.append("the store notifies the watch (the provider's `notify_delay` is 0)")
+    f = results.get(name, {}).get("floor")
+    if f is not None and f.get("p50") is not None:
+        parts.append(
+            f"the same handoff written directly on the driver ({f['operation']}) takes p50 "
+            f"{f['p50']:.2f} ms, p99 {f['p99']:.2f} ms here, so the store, the driver and "
+            f"this machine's wake-ups leave {h['p50'] - f['p50']:.2f} ms to the library"
+        )
     t = results.get(name, {}).get("round_trip")
     if t is not None:
         rest = h["p50"] - (core or 0.0)

@@ -65,6 +65,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration"))
 
+import floor  # noqa: E402
 import groups  # noqa: E402
 import locks  # noqa: E402
 import peers  # noqa: E402
@@ -334,6 +335,14 @@ async def run_async(
             if trip is not None:
                 results[name]["round_trip"] = trip
                 say(f"{name}: round trip {trip}")
+        try:
+            raw = await floor.measure(name, url, p["handoffs"])
+        except Exception as exc:
+            results[name]["floor_error"] = repr(exc)[:300]
+        else:
+            if raw is not None:
+                results[name]["floor"] = raw
+                say(f"{name}: the driver's floor {raw}")
 
 
 async def run_idle(

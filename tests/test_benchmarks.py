@@ -71,6 +71,13 @@ def test_benchmark_runner_measures_everything(tmp_path):
             crash = cells(section(text, 2), backend)
             assert crash[-1] == "ok", crash
 
+    floor = section(text, 1).split("### The driver's floor")[1].split("\n### ")[0]
+    for backend in ("redis", "postgres", "etcd"):
+        row = cells(floor, backend)
+        assert row[2:4] == ["4", "0"], f"{backend}: floor handoffs/failed are {row[2:4]}"
+        float(row[4])  # the floor's p50
+        float(row[8])  # multilock's p50 less the floor's
+
     peers = section(text, 4)
     for system, backend in PEERS:
         row = cells(peers, system, backend)

@@ -1,0 +1,222 @@
+"""The driver's floor: the same notified handoff written directly on the driver, no library.
+
+A multilock handoff on a notifying store is three steps in a row: the leader's release
+(one write that also notifies), the store's notification reaching the follower, and the
+follower's acquire (one write). This module times exactly those steps with the driver
+the provider uses and nothing else: no election, no validation, no bounded calls, no
+event stream. Both clients share one event loop and one process, as the two elections of
+section 1 do, and each handoff starts after the same pause (``GAP``) so the server and
+the client are as idle as they are there. The difference between the multilock handoff
+and this floor is what the library itself adds; the floor is what the store, the driver
+and this machine's wake-ups cost.
+
+Per store:
+
+- Redis (redis.asyncio): a Lua script deletes the key and PUBLISHes; the follower's
+  pub/sub connection receives it and runs ``SET key NX PX``.
+- PostgreSQL (psycopg async, autocommit): one statement deletes the row and calls
+  ``pg_notify``; the follower's LISTEN connection receives it and runs one
+  ``INSERT .. ON CONFLICT DO UPDATE .. WHERE expired`` on its own connection.
+- etcd (aetcd): the leader revokes its lease (the key goes with it); the follower's watch
+  sees the DELETE, grants a lease and runs one create-if-absent transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from common import summary
+
+#: The pause before each handoff (seconds): about what section 1 leaves between two.
+GAP = 0.025
+#: Handoffs before the timed ones (connections and scripts warm).
+WARMUP = 5
+
+#: What is timed per backend (the report's wording).
+OPERATIONS = {
+    "redis": "script DEL + PUBLISH, pub/sub, SET NX PX (redis.asyncio)",
+    "postgres": "DELETE + pg_notify, LISTEN, INSERT .. ON CONFLICT (psycopg async)",
+    "etcd": "lease revoke, watch, lease grant + create-if-absent txn (aetcd)",
+}
+
+#: A leader's setup, a timed handoff (returns when the follower holds), the clean-up.
+Round = Callable[[], Awaitable[None]]
+
+
+async def measure(name: str, url: str, samples: int) -> dict[str, Any] | None:
+    """p50/p95/p99 (ms) of *samples* raw handoffs on *name*'s store; None: not defined."""
+    opener = _OPENERS.get(name)
+    if opener is None:
+        return None
+    take, hand_over, close = await opener(url)
+    latencies: list[float] = []
+    failures = 0
+    try:
+        for round_ in range(WARMUP + samples):
+            await take()
+            await asyncio.sleep(GAP)
+            began = time.perf_counter()
+            try:
+                async with asyncio.timeout(5):
+                    await hand_over()
+            except TimeoutError:
+                failures += round_ >= WARMUP
+                continue
+            if round_ >= WARMUP:
+                latencies.append((time.perf_counter() - began) * 1000)
+    finally:
+        await close()
+    return {"operation": OPERATIONS[name], **summary(latencies, failures)}
+
+
+async def _redis(url: str) -> tuple[Round, Round, Round]:
+    from redis.asyncio import Redis
+
+    leader, follower = Redis.from_url(url), Redis.from_url(url)
+    key, channel = f"multilock-floor-{uuid.uuid4().hex}", f"multilock-floor-{uuid.uuid4().hex}"
+    release = leader.register_script(
+        "if redis.call('del', KEYS[1]) == 1 then redis.call('publish', KEYS[2], 'released') end"
+    )
+    pubsub = follower.pubsub()
+    await pubsub.subscribe(channel)
+    await pubsub.get_message(timeout=5)  # the subscribe confirmation
+    won: asyncio.Queue[bool] = asyncio.Queue()
+
+    async def listen() -> None:
+        while True:
+            message = await pubsub.get_message(timeout=None)
+            if message is not None and message["type"] == "message":
+                won.put_nowait(bool(await follower.set(key, "follower", nx=True, px=2000)))
+
+    listener = asyncio.create_task(listen())
+
+    async def take() -> None:
+        await leader.set(key, "leader", px=2000)
+
+    async def hand_over() -> None:
+        await release(keys=[key, channel])
+        if not await won.get():
+            raise RuntimeError("the follower's SET NX found the key held")
+
+    async def close() -> None:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await leader.delete(key)
+        await leader.aclose()
+        await follower.aclose()
+
+    return take, hand_over, close
+
+
+async def _postgres(url: str) -> tuple[Round, Round, Round]:
+    import psycopg
+
+    table = f"multilock_floor_{uuid.uuid4().hex[:12]}"
+    leader = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
+    follower = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
+    listening = await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
+    await leader.execute(
+        f"CREATE TABLE {table} (name text PRIMARY KEY, holder text, expires_at timestamptz)"
+    )
+    await listening.execute(f"LISTEN {table}")
+    won: asyncio.Queue[bool] = asyncio.Queue()
+    acquire = (
+        f"INSERT INTO {table} AS t VALUES ('g', 'follower', clock_timestamp() + interval '2 s')"
+        " ON CONFLICT (name) DO UPDATE SET holder = excluded.holder,"
+        " expires_at = excluded.expires_at"
+        " WHERE t.holder IS NULL OR t.expires_at <= clock_timestamp() RETURNING t.holder"
+    )
+
+    async def listen() -> None:
+        async for _ in listening.notifies():
+            cursor = await follower.execute(acquire)  # type: ignore[arg-type]
+            won.put_nowait(await cursor.fetchone() is not None)
+
+    listener = asyncio.create_task(listen())
+
+    async def take() -> None:
+        await leader.execute(
+            f"INSERT INTO {table} VALUES ('g', 'leader', clock_timestamp() + interval '2 s')"  # type: ignore[arg-type]
+            " ON CONFLICT (name) DO UPDATE SET holder = 'leader', expires_at = excluded.expires_at"
+        )
+
+    async def hand_over() -> None:
+        await leader.execute(
+            f"WITH d AS (UPDATE {table} SET holder = NULL WHERE name = 'g' AND holder = 'leader'"  # type: ignore[arg-type]
+            f" RETURNING name) SELECT pg_notify('{table}', name) FROM d"
+        )
+        if not await won.get():
+            raise RuntimeError("the follower's INSERT found the row held")
+
+    async def close() -> None:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await leader.execute(f"DROP TABLE {table}")  # type: ignore[arg-type]
+        for conn in (leader, follower, listening):
+            await conn.close()
+
+    return take, hand_over, close
+
+
+async def _etcd(url: str) -> tuple[Round, Round, Round]:
+    import aetcd  # type: ignore[import-untyped]
+
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 2379
+    leader = aetcd.Client(host=host, port=port, timeout=5)
+    follower = aetcd.Client(host=host, port=port, timeout=5)
+    key = f"multilock-floor/{uuid.uuid4().hex}".encode()
+    leases: dict[str, Any] = {}  # who holds the key: its lease
+    armed = asyncio.Event()  # a timed handoff is on: the next DELETE is the leader's
+    won: asyncio.Queue[bool] = asyncio.Queue()
+    tx = follower.transactions
+    stream = await follower.watch(key)
+
+    async def listen() -> None:
+        async for event in stream:
+            if event.kind == "DELETE" and armed.is_set():
+                armed.clear()
+                lease = leases["follower"] = await follower.lease(2)
+                ok, _ = await follower.transaction(
+                    compare=[tx.create(key) == 0],
+                    success=[tx.put(key, b"follower", lease=lease.id)],
+                    failure=[],
+                )
+                won.put_nowait(bool(ok))
+
+    listener = asyncio.create_task(listen())
+
+    async def take() -> None:
+        lease = leases.pop("follower", None)
+        if lease is not None:
+            await follower.revoke_lease(lease.id)
+        lease = leases["leader"] = await leader.lease(2)
+        await leader.put(key, b"leader", lease=lease.id)
+
+    async def hand_over() -> None:
+        armed.set()
+        await leader.revoke_lease(leases.pop("leader").id)
+        if not await won.get():
+            raise RuntimeError("the follower's txn found the key held")
+
+    async def close() -> None:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)
+        await stream.cancel()
+        await leader.close()
+        await follower.close()
+
+    return take, hand_over, close
+
+
+_OPENERS: dict[str, Callable[[str], Awaitable[tuple[Round, Round, Round]]]] = {
+    "redis": _redis,
+    "postgres": _postgres,
+    "etcd": _etcd,
+}
