@@ -41,6 +41,9 @@ DEV = [
     "python-redis-lock>=4.0",  # the lock comparison's peers (benchmarks/locks.py)
     "pottery>=3.0",
     "psutil>=5.9",  # the benchmark's scale run
+    # multilock-filesystem's non-Linux paths, tested here too (its Linux install needs neither).
+    "watchfiles>=1.0",
+    "filelock>=3.12",
     "matplotlib>=3.8",  # the benchmark's failover plot
     # The integrations' tests and samples: real servers and clients the packages only meet
     # in a user's program (each integration depends on its framework itself).

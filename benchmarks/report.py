@@ -61,7 +61,7 @@ def machine(loads: list[tuple[str, tuple[float, float, float]]]) -> list[str]:
             lines.append(f"- {label}: {text[0] if text else 'unknown'}")
     from importlib.metadata import version
 
-    for dist in ("redis", "psycopg", "filelock", "aetcd", "minio", "moto"):
+    for dist in ("redis", "psycopg", "aetcd", "minio", "moto"):
         with contextlib.suppress(Exception):
             lines.append(f"- {'server' if dist == 'moto' else 'driver'} {dist}: {version(dist)}")
     for dist in ("azure-storage-blob", "kazoo", "tooz", "psutil", "matplotlib"):

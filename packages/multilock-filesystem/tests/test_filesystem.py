@@ -7,18 +7,19 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import filelock
 import pytest
 
 from multilock.core import ConfigurationError, ProviderError, from_url
+from multilock.core.provider import Notifications
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
-from multilock.filesystem import FileSystemProvider, _record, _watch
+from multilock.filesystem import FileSystemProvider, _lock, _provider, _record, _watch
 
 LEASE = 5.0
 
@@ -267,16 +268,33 @@ async def test_without_boot_id_the_boot_time_estimate_decides(
 # The lock.
 
 
-async def test_lock_held_elsewhere_times_out_as_provider_error(tmp_path: Path) -> None:
+# What another process runs to hold a group's lock: this package's own lock, and the
+# `filelock` lock that earlier versions took (they must exclude each other).
+HOLDERS = {
+    "flock": "import fcntl, os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+    "print('locked', flush=True)\n"
+    "time.sleep(120)\n",
+    "filelock": "import sys, time, filelock\n"
+    "with filelock.FileLock(sys.argv[1]):\n"
+    "    print('locked', flush=True)\n"
+    "    time.sleep(120)\n",
+}
+
+
+@pytest.mark.parametrize("holder_kind", list(HOLDERS))
+async def test_lock_held_elsewhere_times_out_as_provider_error(
+    tmp_path: Path, holder_kind: str
+) -> None:
+    if holder_kind == "filelock":
+        pytest.importorskip("filelock")
     provider = FileSystemProvider(tmp_path, lock_timeout=0.3)
     lock_path = provider._paths("g").lock
     holder = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
-        "import sys, time, filelock\n"
-        "with filelock.FileLock(sys.argv[1]):\n"
-        "    print('locked', flush=True)\n"
-        "    time.sleep(120)\n",
+        HOLDERS[holder_kind],
         str(lock_path),
         stdout=asyncio.subprocess.PIPE,
     )
@@ -287,7 +305,7 @@ async def test_lock_held_elsewhere_times_out_as_provider_error(tmp_path: Path) -
         started = time.monotonic()
         with pytest.raises(ProviderError, match="timed out") as caught:
             await provider.try_acquire("g", "p1", LEASE, {})
-        assert isinstance(caught.value.__cause__, filelock.Timeout)
+        assert isinstance(caught.value.__cause__, _lock.LockTimeout)
         assert 0.25 <= time.monotonic() - started < 3
         with pytest.raises(ProviderError, match="timed out"):
             await provider.get_leader("g")
@@ -300,15 +318,78 @@ async def test_lock_held_elsewhere_times_out_as_provider_error(tmp_path: Path) -
 
 async def test_lock_held_by_another_thread_times_out(tmp_path: Path) -> None:
     provider = FileSystemProvider(tmp_path, lock_timeout=0.2)
-    # thread_local=False: to_thread may release on another worker thread than it acquired.
-    lock = filelock.FileLock(provider._paths("g").lock, thread_local=False)
-    await asyncio.to_thread(lock.acquire)
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _lock.exclusive(provider._paths("g").lock, 5):
+            held.set()
+            done.wait(10)
+
+    holder = asyncio.ensure_future(asyncio.to_thread(hold))
     try:
+        assert await asyncio.to_thread(held.wait, 10)
         with pytest.raises(ProviderError, match="timed out"):
             await provider.release("g", "p1", 1)
     finally:
-        await asyncio.to_thread(lock.release)
+        done.set()
+        await holder
     assert await provider.get_leader("g") is None
+
+
+def test_lock_excludes_the_threads_of_one_process(tmp_path: Path) -> None:
+    # One descriptor per acquisition: flock would let two threads sharing one through.
+    path, counter = tmp_path / "g.lease.lock", tmp_path / "counter"
+    counter.write_text("0")
+
+    def bump() -> None:
+        for _ in range(20):
+            with _lock.exclusive(path, 10):
+                value = int(counter.read_text())
+                time.sleep(0.0005)  # a real section: the others try meanwhile
+                counter.write_text(str(value + 1))
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert counter.read_text() == "80"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock: POSIX only")
+def test_lock_retries_soon_then_every_millisecond(tmp_path: Path, monkeypatch: Any) -> None:
+    import fcntl
+
+    path = tmp_path / "g.lease.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another open file description holds it
+    waits: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(_lock.time, "sleep", sleep)
+    try:
+        with pytest.raises(_lock.LockTimeout), _lock.exclusive(path, 0.03):
+            pytest.fail("locked a file another holds")
+    finally:
+        os.close(fd)
+    assert waits[:5] == pytest.approx([0.0001, 0.0002, 0.0004, 0.0008, 0.001])
+    assert max(waits) == pytest.approx(0.001)
+    with _lock.exclusive(path, 0.03):  # closing the holder's descriptor freed it
+        pass
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="symlinks and flock: POSIX")
+async def test_a_symlinked_lock_file_is_refused(tmp_path: Path) -> None:
+    provider = FileSystemProvider(tmp_path)
+    elsewhere = tmp_path / "elsewhere.lock"
+    elsewhere.touch()
+    provider._paths("g").lock.symlink_to(elsewhere)
+    with pytest.raises(ProviderError, match="lease file operation failed"):
+        await provider.try_acquire("g", "p1", LEASE, {})
 
 
 # Watching: file notifications, and polling where they cannot work.
@@ -446,19 +527,19 @@ async def test_a_release_by_another_provider_wakes_a_watch_long_before_a_poll(
 
 
 async def test_one_directory_watcher_serves_every_group(tmp_path: Path, monkeypatch: Any) -> None:
-    started: list[Any] = []
-    real = _watch.watchfiles.awatch
+    started: list[Path] = []
+    real = _watch.changes
 
-    def counting(*paths: Any, **kwargs: Any) -> Any:
-        started.append(paths)
-        return real(*paths, **kwargs)
+    def counting(directory: Path) -> AsyncGenerator[frozenset[str] | None, None]:
+        started.append(directory)
+        return real(directory)
 
-    monkeypatch.setattr(_watch.watchfiles, "awatch", counting)
+    monkeypatch.setattr(_watch, "changes", counting)
     leader, follower = FileSystemProvider(tmp_path), FileSystemProvider(tmp_path)
     groups = [f"g{i}" for i in range(20)]
     async with contextlib.AsyncExitStack() as stack:
         woke = {g: await stack.enter_async_context(wakes(follower.watch(g))) for g in groups}
-        assert started == [(tmp_path,)]  # one watcher, for all twenty groups
+        assert started == [tmp_path]  # one watcher, for all twenty groups
         info = await leader.try_acquire("g7", "p1", LEASE, {})
         assert info is not None
         await woken(woke["g7"], 2, "after an acquire")
@@ -468,12 +549,14 @@ async def test_one_directory_watcher_serves_every_group(tmp_path: Path, monkeypa
     await follower.aclose()
 
 
-async def test_watch_polls_when_watchfiles_cannot_watch(tmp_path: Path, monkeypatch: Any) -> None:
-    async def refuse(*_paths: Any, **_kwargs: Any) -> AsyncIterator[Any]:
+async def test_watch_polls_when_the_directory_cannot_be_watched(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    async def refuse(_directory: Path) -> AsyncGenerator[frozenset[str] | None, None]:
         raise OSError("OS file watch limit reached")
-        yield  # an async generator, as awatch is
+        yield frozenset()  # an async generator, as the sources are
 
-    monkeypatch.setattr(_watch.watchfiles, "awatch", refuse)
+    monkeypatch.setattr(_watch, "changes", refuse)
     provider = FileSystemProvider(tmp_path, poll_interval=0.05)
     assert provider.notify_delay == 0.0
     with pytest.raises(ProviderError, match="watch limit") as caught:
@@ -488,6 +571,135 @@ async def test_watch_polls_when_watchfiles_cannot_watch(tmp_path: Path, monkeypa
         await provider.release("g", "p1", info.token)
         await woken(woke, 2, "after a release, polling")
     await provider.aclose()
+
+
+async def test_the_watchfiles_source_wakes_on_acquire_and_release(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # The source of macOS and Windows; it runs on Linux too, so it is tested here.
+    pytest.importorskip("watchfiles")
+    monkeypatch.setattr(_watch, "changes", _watch.watchfiles_changes)
+    leader, follower = FileSystemProvider(tmp_path), FileSystemProvider(tmp_path)
+    async with wakes(follower.watch("g")) as woke:
+        info = await leader.try_acquire("g", "p1", LEASE, {})
+        assert info is not None
+        await woken(woke, 2, "after an acquire")
+        assert await leader.renew("g", "p1", info.token, LEASE, {})
+        await asyncio.sleep(0.1)
+        assert not woke.is_set()  # a renewal changes no term
+        await leader.release("g", "p1", info.token)
+        await woken(woke, 2, "after a release")
+    await leader.aclose()
+    await follower.aclose()
+
+
+async def test_an_overflowed_queue_rereads_every_watched_group(tmp_path: Path) -> None:
+    # None from the source: events were lost, so every watched group is read again.
+    batches: asyncio.Queue[frozenset[str] | None] = asyncio.Queue()
+
+    async def source(_directory: Path) -> AsyncGenerator[frozenset[str] | None, None]:
+        while True:
+            yield await batches.get()
+
+    asked: list[list[str]] = []
+
+    async def terms(groups: list[str]) -> dict[str, Any]:
+        asked.append(groups)
+        return dict.fromkeys(groups, ("p1", 3))
+
+    listener = Notifications(lambda _n: asyncio.sleep(3600), name="test")
+    woke = {g: asyncio.Event() for g in ("a", "b", "c")}
+
+    async def follow(group: str) -> None:
+        async for _ in listener.watch(group):
+            woke[group].set()
+
+    followers = [asyncio.ensure_future(follow(g)) for g in ("a", "b")]
+    await asyncio.sleep(0)
+    names = {"a.lease.json": "a", "b.lease.json": "b", "c.lease.json": "c"}
+    last: dict[str, Any] = {}
+    task = asyncio.ensure_future(
+        _watch.listen(tmp_path, names.get, terms, last, listener, source=source)
+    )
+    try:
+        batches.put_nowait(frozenset())  # subscribed
+        batches.put_nowait(frozenset({"b.lease.json", "c.lease.json", "x.lease.json"}))
+        batches.put_nowait(None)
+        async with asyncio.timeout(5):
+            while len(asked) < 2:
+                await asyncio.sleep(0.01)
+        assert asked == [["b"], ["a", "b"]]  # c and x are watched by nobody here
+        assert last == {"a": ("p1", 3), "b": ("p1", 3)}
+    finally:
+        for each in (task, *followers):
+            each.cancel()
+        await asyncio.gather(task, *followers, return_exceptions=True)
+
+
+async def test_the_listener_reads_a_cached_record_in_the_event_loop(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # A record that just changed is in the page cache: read at once, no thread hop.
+    provider = FileSystemProvider(tmp_path)
+    info = await provider.try_acquire("g", "p1", LEASE, {})
+    assert info is not None
+    if _record.read_cached(record_path(provider, "g")) is None:
+        pytest.skip("this system cannot read without waiting (no RWF_NOWAIT)")
+    (tmp_path / "bad.lease.json").write_bytes(b"{not json")
+    hops: list[object] = []
+    real_to_thread = asyncio.to_thread
+
+    async def to_thread(fn: Any, *args: Any) -> Any:
+        hops.append(fn)
+        return await real_to_thread(fn, *args)
+
+    monkeypatch.setattr(_provider.asyncio, "to_thread", to_thread)
+    terms = await provider._read_terms(["g", "bad", "none"])
+    assert hops == []
+    assert terms["g"] == ("p1", info.token)
+    assert terms["none"] == (None, 0)
+    assert type(terms["bad"]) is object  # unreadable: its watches wake and fail there
+    assert "bad" not in provider._ends
+    # Not in the page cache (or no way to tell): the read goes to a worker thread.
+    monkeypatch.setattr(_provider, "read_cached", lambda _path: None)
+    assert await provider._read_terms(["g", "none"]) == {
+        "g": ("p1", info.token),
+        "none": (None, 0),
+    }
+    assert len(hops) == 1
+    await provider.aclose()
+
+
+def test_write_atomic_and_read_file_round_trip(tmp_path: Path) -> None:
+    path, temp = tmp_path / "g.lease.json", tmp_path / "g.lease.json.tmp"
+    temp.write_bytes(b"x" * 300_000)  # a longer temp file a crashed writer left behind
+    data = os.urandom(200_000)  # several reads' worth
+    _record.write_atomic(path, temp, data)
+    assert not temp.exists()
+    assert _record.read_file(path) == data == path.read_bytes()
+    _record.write_atomic(path, temp, b"{}\n", durable=False)
+    assert _record.read_file(path) == b"{}\n"  # bytes as given: no newline translation
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RWF_NOWAIT is Linux's")
+def test_read_cached_reads_all_or_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "g.lease.json"
+    data = os.urandom(3 * 4096 + 17)  # more than one chunk
+    path.write_bytes(data)
+    assert _record.read_cached(path) == data
+    with pytest.raises(FileNotFoundError):
+        _record.read_cached(tmp_path / "missing.lease.json")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages, which the kernel may drop
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    got = _record.read_cached(path)
+    if got is not None:
+        pytest.skip("this file system kept the pages (tmpfs?)")
+    assert path.read_bytes() == data  # a plain read brings them back
+    assert _record.read_cached(path) == data
 
 
 def test_a_network_file_system_is_polled(tmp_path: Path, monkeypatch: Any) -> None:

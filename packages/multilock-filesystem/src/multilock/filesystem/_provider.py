@@ -3,11 +3,11 @@
 Store: one JSON record per group, ``<group>.lease.json``, next to its lock file
 ``<group>.lease.lock`` (names that are long, contain capitals or are Windows device
 names get a hash suffix, so case-insensitive file systems never merge two groups).
-Every operation takes the `filelock` lock of its group, reads the record, decides and,
-if it changes anything, writes ``<group>.lease.json.tmp``, fsyncs it, renames it over the
-record with `os.replace` and, when the token rose, fsyncs the directory. Readers therefore
-see the old record or the new one, never a mix, and a crash mid-write leaves only the
-temp file behind.
+Every operation takes its group's lock (``flock``, see `_lock`), reads the record,
+decides and, if it changes anything, writes ``<group>.lease.json.tmp``, fsyncs it, renames
+it over the record with `os.replace` and, when the token rose, fsyncs the directory.
+Readers therefore see the old record or the new one, never a mix, and a crash mid-write
+leaves only the temp file behind.
 
 Guarantees:
 
@@ -30,11 +30,11 @@ Guarantees:
   one cancelled later completes in its thread, so whoever locks next sees its write (the
   election finds such a term with ``get_leader``, by its metadata).
 - `watch` wakes followers on a new term or a release, and exactly when the lease they
-  saw is due to expire; never on a renewal. One `watchfiles` watcher per provider
-  (inotify, FSEvents, ReadDirectoryChangesW) serves the watches of every group; where it
-  cannot work (a network file system, ``notify=False``, watchfiles failing to start)
-  `watch` polls the record's `os.stat` every ``poll_interval`` instead, and reads the
-  record only when that changed.
+  saw is due to expire; never on a renewal. One directory watcher per provider (inotify
+  read by the event loop on Linux; `watchfiles`' FSEvents or ReadDirectoryChangesW
+  elsewhere) serves the watches of every group; where it cannot work (a network file
+  system, ``notify=False``, the watcher failing to start) `watch` polls the record's
+  `os.stat` every ``poll_interval`` instead, and reads the record only when that changed.
 
 Failure modes: a crashed holder's lease stays until it expires (the kernel frees its
 lock at once). A record that cannot be parsed (corrupt, truncated, edited by hand) makes
@@ -58,8 +58,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
 
-from filelock import FileLock, Timeout
-
 from multilock.core.provider import (
     ConfigurationError,
     LeaderInfo,
@@ -70,7 +68,8 @@ from multilock.core.provider import (
     to_seconds,
 )
 
-from ._record import Record, new_lease, parse, write_atomic
+from ._lock import LockTimeout, exclusive
+from ._record import Record, new_lease, parse, read_cached, read_file, write_atomic
 from ._url import parse_url
 from ._watch import RECORD_SUFFIX, listen, network_file_system, poll_record
 
@@ -80,8 +79,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: How often a call retries a lock held by another (s): sections under it last about 1 ms.
-_LOCK_POLL = 0.001
 _WINDOWS_DEVICES = frozenset(
     {"con", "prn", "aux", "nul"} | {f"{p}{i}" for p in ("com", "lpt") for i in range(10)}
 )
@@ -176,8 +173,7 @@ class FileSystemProvider(Provider):
     def _transact(self, group: str, step: _Step[T], abandoned: threading.Event) -> T:
         paths = self._paths(group)
         try:
-            lock = FileLock(paths.lock, timeout=self._lock_timeout)
-            with lock.acquire(poll_interval=_LOCK_POLL):
+            with exclusive(paths.lock, self._lock_timeout):
                 if abandoned.is_set():
                     raise _Abandoned
                 record = self._read(paths.record, group)
@@ -186,7 +182,7 @@ class FileSystemProvider(Provider):
                     raised = record is None or new.token != record.token
                     write_atomic(paths.record, paths.temp, new.dump(group), durable=raised)
                 return result
-        except Timeout as exc:
+        except LockTimeout as exc:
             raise ProviderError(
                 f"timed out after {self._lock_timeout:g} s waiting for the lock {str(paths.lock)!r}"
             ) from exc
@@ -196,9 +192,13 @@ class FileSystemProvider(Provider):
     @staticmethod
     def _read(path: Path, group: str) -> Record | None:
         try:
-            data = path.read_bytes()
+            data = read_file(path)
         except FileNotFoundError:
             return None
+        return FileSystemProvider._parse(data, path, group)
+
+    @staticmethod
+    def _parse(data: bytes, path: Path, group: str) -> Record:
         try:
             return parse(data, group)
         except (ValueError, KeyError, TypeError) as exc:
@@ -302,9 +302,25 @@ class FileSystemProvider(Provider):
         except OSError as exc:
             raise ProviderError(f"cannot read the lease record of {group!r}: {exc}") from exc
 
-    def _note(self, group: str) -> Hashable:
-        """Read *group*'s term and note when its lease ends, for the watches."""
-        record, now = self._peek(group)
+    def _peek_cached(self, group: str) -> tuple[Record | None, float] | None:
+        """`_peek` without waiting for a disk, fit for the event loop: None when the
+        record is not all in the page cache, or where that cannot be known."""
+        if os.name != "posix":
+            return None
+        path = self._paths(group).record
+        try:
+            data = read_cached(path)
+        except FileNotFoundError:
+            return None, time.monotonic()
+        except OSError as exc:
+            raise ProviderError(f"cannot read the lease record of {group!r}: {exc}") from exc
+        if data is None:
+            return None
+        return self._parse(data, path, group), time.monotonic()
+
+    def _note(self, group: str, peeked: tuple[Record | None, float] | None = None) -> Hashable:
+        """Read *group*'s term (unless *peeked*) and note when its lease ends, for the watches."""
+        record, now = self._peek(group) if peeked is None else peeked
         live = record is not None and record.is_live(now)
         self._ends[group] = record.expires_at if live and record is not None else None
         return _term(record, now)
@@ -322,23 +338,43 @@ class FileSystemProvider(Provider):
             await listen(
                 self._directory, self._groups.get, self._read_terms, self._terms, notifications
             )
-        except (OSError, RuntimeError) as exc:  # watchfiles cannot watch this directory
+        except (OSError, RuntimeError) as exc:  # the directory cannot be watched
             log.warning("cannot watch %s, polling from now on: %r", self._directory, exc)
             self._notify = False
             raise ProviderError(f"cannot watch {str(self._directory)!r}: {exc}") from exc
 
     async def _read_terms(self, groups: list[str]) -> dict[str, Hashable]:
-        def read() -> dict[str, Hashable]:
-            terms: dict[str, Hashable] = {}
-            for group in groups:
-                try:
-                    terms[group] = self._note(group)
-                except ProviderError:
-                    self._ends.pop(group, None)
-                    terms[group] = object()  # unreadable: its watches wake and fail there
-            return terms
+        """The listener's reads: in the event loop when the page cache holds the record (a
+        record that just changed nearly always is: no thread hop between a change and the
+        wake-up), in a worker thread otherwise."""
+        terms: dict[str, Hashable] = {}
+        uncached: list[str] = []
+        for group in groups:
+            try:
+                peeked = self._peek_cached(group)
+            except ProviderError:
+                terms[group] = self._unreadable(group)
+                continue
+            if peeked is None:
+                uncached.append(group)
+            else:
+                terms[group] = self._note(group, peeked)
+        if uncached:
+            terms.update(await asyncio.to_thread(self._notes, uncached))
+        return terms
 
-        return await asyncio.to_thread(read)
+    def _notes(self, groups: list[str]) -> dict[str, Hashable]:
+        terms: dict[str, Hashable] = {}
+        for group in groups:
+            try:
+                terms[group] = self._note(group)
+            except ProviderError:
+                terms[group] = self._unreadable(group)
+        return terms
+
+    def _unreadable(self, group: str) -> Hashable:
+        self._ends.pop(group, None)
+        return object()  # a term never seen: its watches wake and fail there
 
     async def _expires_in(self, group: str) -> float | None:
         # The listener notes every change of a watched record before it wakes anyone, so

@@ -16,6 +16,7 @@ id, two estimates within `BOOT_TIME_TOLERANCE` seconds are one boot.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -28,7 +29,15 @@ import attrs
 
 from multilock.core import LeaderInfo, validate_metadata, validate_name
 
-__all__ = ["BOOT_TIME_TOLERANCE", "Record", "new_lease", "parse", "write_atomic"]
+__all__ = [
+    "BOOT_TIME_TOLERANCE",
+    "Record",
+    "new_lease",
+    "parse",
+    "read_cached",
+    "read_file",
+    "write_atomic",
+]
 
 #: Seconds by which two boot-time estimates may differ and still name the same boot.
 #: Larger is safer against wall-clock steps; it only delays taking over a record
@@ -162,6 +171,49 @@ def parse(data: bytes, group: str) -> Record:
     )
 
 
+#: Read without waiting for a disk: fails with EAGAIN when the page cache lacks the data
+#: (Linux 4.14+; None where the system has no such read).
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None) if hasattr(os, "preadv") else None
+_CHUNK = 4096
+_READ_SIZE = 64 * 1024
+#: For `os.open`: not inherited by child processes; binary on Windows (no newline
+#: translation).
+_OPEN_FLAGS = (
+    getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOINHERIT", 0) | getattr(os, "O_BINARY", 0)
+)
+
+
+def read_cached(path: Path) -> bytes | None:
+    """*path*'s content if the page cache holds all of it, read without waiting for a disk.
+
+    None when some of it is not cached (or where reads cannot be told not to wait: not
+    Linux, or a file system without ``RWF_NOWAIT``); then read it in a worker thread.
+    A record was just written when it is read this way, so it is nearly always cached;
+    a read of a few hundred cached bytes takes microseconds, fit for the event loop.
+    Raises `FileNotFoundError` when there is no file, `OSError` when it cannot be read.
+    """
+    if _NOWAIT is None:
+        return None
+    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    try:
+        data = bytearray()
+        chunk = bytearray(_CHUNK)
+        while True:
+            try:
+                size = os.preadv(fd, [chunk], len(data), _NOWAIT)
+            except BlockingIOError:
+                return None  # not all in the page cache: reading it would wait for the disk
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    return None  # this file system or kernel cannot read without waiting
+                raise
+            if size == 0:
+                return bytes(data)
+            data += chunk[:size]
+    finally:
+        os.close(fd)
+
+
 def _fsync(fd: int) -> None:
     if sys.platform == "darwin":  # plain fsync does not flush the drive's cache on macOS
         import fcntl
@@ -175,6 +227,19 @@ def _fsync(fd: int) -> None:
     os.fsync(fd)
 
 
+def read_file(path: Path) -> bytes:
+    """*path*'s content: `Path.read_bytes` in four system calls instead of nine (each one
+    gives the GIL up and takes it back, behind the event loop, in a worker thread)."""
+    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    try:
+        chunks = []
+        while chunk := os.read(fd, _READ_SIZE):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, temp: Path, data: bytes, *, durable: bool = True) -> None:
     """Replace *path* by *data*: write and fsync *temp*, rename it, fsync the directory.
 
@@ -183,12 +248,17 @@ def write_atomic(path: Path, temp: Path, data: bytes, *, durable: bool = True) -
     power cut must not undo a token), not for a renewal or a release (*durable* False):
     undone, either leaves the term's own record, which expired with its boot.
     The caller holds the group's lock, so *temp* has one writer at a time; a temp file
-    left by a writer that crashed is truncated here and never read.
+    left by a writer that crashed is truncated here and never read. Plain `os` calls,
+    not `open`: seven or eight system calls instead of ten or eleven.
     """
-    with open(temp, "wb") as f:
-        f.write(data)
-        f.flush()
-        _fsync(f.fileno())
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        _fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(temp, path)
     if durable and os.name == "posix":  # make the rename durable: tokens never go back
         fd = os.open(path.parent, os.O_RDONLY)

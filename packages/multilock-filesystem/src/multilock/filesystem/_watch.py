@@ -1,34 +1,50 @@
 """How a `FileSystemProvider` learns that a record changed: the OS's file notifications.
 
-One `listen` per provider watches its whole directory with `watchfiles` (inotify on Linux,
-FSEvents on macOS, ReadDirectoryChangesW on Windows) and, for each changed record of a
+One `listen` per provider watches its whole directory and, for each changed record of a
 watched group, reads the record and wakes that group's watches through `Notifications`
 only when its term (holder and last token) changed: a renewal rewrites the file but
 wakes nobody, and "free, then free again with a higher token" (a term that began and
 ended between two looks) does wake them.
 
+The changes come from `changes`: on Linux the directory's inotify descriptor, read by the
+event loop itself (`multilock.filesystem._inotify`: no thread, about 0.15 ms from a rename
+to the listener); elsewhere `watchfiles` (FSEvents on macOS, ReadDirectoryChangesW on
+Windows), whose thread hands changes over about 2 ms after they happened.
+
 Where notifications cannot work (a network file system, whose other hosts' writes raise
-no local event; watchfiles failing to start, e.g. at the inotify watch limit), the
-provider polls instead (`multilock.core.provider.poll_watch`).
+no local event; a watch failing to start, e.g. at the inotify limits), the provider polls
+instead (`multilock.core.provider.poll_watch`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable, Iterable
 from pathlib import Path
-
-import watchfiles
 
 from multilock.core.provider import Notifications, Observed, ProviderError, poll_watch
 
-__all__ = ["RECORD_SUFFIX", "listen", "network_file_system", "poll_record"]
+from . import _inotify
+
+__all__ = [
+    "Changes",
+    "RECORD_SUFFIX",
+    "changes",
+    "is_record",
+    "listen",
+    "network_file_system",
+    "poll_record",
+    "watchfiles_changes",
+]
 
 RECORD_SUFFIX = ".lease.json"
 #: How often (ms) watchfiles' thread looks at what the OS reported: a change is handed
-#: over about two steps after it happened. One step costs a few microseconds of CPU.
+#: over about two steps after it happened (it waits for a step that saw nothing new), so
+#: 1, its smallest step, hands a rename over about 2 ms after it. One step costs a few
+#: microseconds of CPU and takes the GIL. (watchfiles is used where inotify is not.)
 STEP_MS = 1
 #: The longest (ms) a burst of changes is gathered before it is handed over.
 DEBOUNCE_MS = 20
@@ -66,8 +82,47 @@ def network_file_system(directory: Path) -> str | None:
     return kind if kind in _NETWORK else None
 
 
-def _is_record(_change: watchfiles.Change, path: str) -> bool:
-    return path.endswith(RECORD_SUFFIX)
+def is_record(name: str) -> bool:
+    """Whether *name* (a file name or a path) is a lease record's."""
+    return name.endswith(RECORD_SUFFIX)
+
+
+#: A source of changes: yields an empty batch once the directory is watched, then the
+#: names of the records that changed (None: anything may have changed).
+Changes = Callable[[Path], AsyncGenerator[frozenset[str] | None, None]]
+
+
+async def watchfiles_changes(directory: Path) -> AsyncGenerator[frozenset[str] | None, None]:
+    """The changes of *directory*'s records, through `watchfiles` (its own thread)."""
+    import watchfiles  # here: Linux neither needs nor installs it
+
+    def wanted(_change: watchfiles.Change, path: str) -> bool:
+        return is_record(path)
+
+    async for batch in watchfiles.awatch(
+        directory,
+        watch_filter=wanted,
+        debounce=DEBOUNCE_MS,
+        step=STEP_MS,
+        rust_timeout=TIMEOUT_MS,
+        yield_on_timeout=True,
+        recursive=False,
+    ):
+        # The first batch (at the first timeout, if not sooner) says the directory is watched.
+        yield frozenset(os.path.basename(path) for _, path in batch)
+
+
+if sys.platform == "linux":
+
+    def changes(directory: Path) -> AsyncGenerator[frozenset[str] | None, None]:
+        """The changes of *directory*'s records: its inotify descriptor, in the event loop."""
+        return _inotify.changes(directory, is_record)
+
+else:
+
+    def changes(directory: Path) -> AsyncGenerator[frozenset[str] | None, None]:
+        """The changes of *directory*'s records, through `watchfiles`."""
+        return watchfiles_changes(directory)
 
 
 async def listen(
@@ -76,6 +131,7 @@ async def listen(
     terms: Callable[[list[str]], Awaitable[dict[str, Hashable]]],
     last: dict[str, Hashable],
     notifications: Notifications,
+    source: Changes | None = None,
 ) -> None:
     """Wake the watches of each group whose record changed term; run until it fails.
 
@@ -83,40 +139,32 @@ async def listen(
     reads the term of each group given (something that changes with the holder or the
     last token, and a fresh object when the record cannot be read). *last* holds the
     term each group's watches last saw: they note it when they wake, and so does this.
+    *source* gives the changed record names (see `Changes`; default: `changes`).
     """
     subscribed = False
-    async for changes in watchfiles.awatch(
-        directory,
-        watch_filter=_is_record,
-        debounce=DEBOUNCE_MS,
-        step=STEP_MS,
-        rust_timeout=TIMEOUT_MS,
-        yield_on_timeout=True,
-        recursive=False,
-    ):
-        if not subscribed:
-            # Anything that changed before now is caught by this: every watch wakes once.
-            subscribed = True
-            notifications.ready()
-            continue
-        watched = notifications.groups
-        for gone in [g for g in last if g not in watched]:
-            del last[gone]  # no watch saw it since: its next change wakes the new ones
-        changed = sorted(_watched(changes, group_of, watched))
-        if not changed:
-            continue
-        for group, term in (await terms(changed)).items():
-            if last.get(group, _UNSEEN) != term:
-                last[group] = term
-                notifications.notify(group)
+    async with contextlib.aclosing((source or changes)(directory)) as batches:
+        async for batch in batches:
+            if not subscribed:
+                # Anything that changed before now is caught by this: every watch wakes once.
+                subscribed = True
+                notifications.ready()
+                continue
+            watched = notifications.groups
+            for gone in [g for g in last if g not in watched]:
+                del last[gone]  # no watch saw it since: its next change wakes the new ones
+            changed = sorted(watched if batch is None else _watched(batch, group_of, watched))
+            if not changed:
+                continue
+            for group, term in (await terms(changed)).items():
+                if last.get(group, _UNSEEN) != term:
+                    last[group] = term
+                    notifications.notify(group)
 
 
 def _watched(
-    changes: Iterable[tuple[watchfiles.Change, str]],
-    group_of: Callable[[str], str | None],
-    watched: frozenset[str],
+    names: Iterable[str], group_of: Callable[[str], str | None], watched: frozenset[str]
 ) -> set[str]:
-    groups = (group_of(os.path.basename(path)) for _, path in changes)
+    groups = (group_of(name) for name in names)
     return {g for g in groups if g is not None and g in watched}
 
 
