@@ -370,8 +370,8 @@ def _floor_table(results: dict[str, dict[str, Any]]) -> list[str]:
         f"phase, each after a {floor.GAP * 1000:g} ms pause as there, both clients on one "
         "event loop. What is left between the two is the library's own work"
         + (f" (the in-memory handoff, the core alone, is {core:.2f} ms here)." if core else ".")
-        + " Loopback round trips on this machine cost several times more after a pause than "
-        "back to back (see the table above): the floor includes those wake-ups.",
+        + " The floor is several of the table above's round trips: those run back to back, "
+        "while each handoff's steps meet a server and a client that were idle.",
         "",
         "| backend | steps | handoffs | failed | floor p50 ms | floor p99 ms | multilock p50 ms "
         "| multilock p99 ms | multilock - floor (p50) ms |",
