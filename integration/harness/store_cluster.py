@@ -31,6 +31,8 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -49,6 +51,7 @@ __all__ = [
     "SAFE",
     "STORE_KINDS",
     "ClusterCampaign",
+    "Fronted",
     "StoreCluster",
     "StoreFault",
     "plan_store",
@@ -73,6 +76,38 @@ STORE_KINDS = (
     "store-restart-minority",
     "store-failover",
 )
+
+
+class Fronted(BaseServer):
+    """A cluster's node as clients reach it: through the client proxy in front of it.
+
+    The URL names the proxy, so cutting the proxy cuts the node off from the clients
+    alone. The cluster starts and closes both; a subclass names its ``kind`` and ``url``.
+    """
+
+    def __init__(self, node: Any, proxy: TcpProxy) -> None:
+        self.node, self.proxy = node, proxy
+
+    @property
+    def host(self) -> str:
+        return self.proxy.host
+
+    @property
+    def port(self) -> int:
+        return self.proxy.port
+
+    @property
+    def pid(self) -> int | None:
+        pid: int | None = self.node.pid
+        return pid
+
+    @property
+    def log_path(self) -> Path | None:
+        path: Path | None = self.node.log_path
+        return path
+
+    def close(self) -> None:
+        """Nothing of its own: the cluster closes the node and the proxy."""
 
 
 @attrs.define

@@ -40,7 +40,7 @@ from ..fixtures_etcd import EtcdServer, probe_etcd
 from ..install import etcd_binary
 from ..proxy import TcpProxy
 from ..servers import HOST, START_TIMEOUT, BaseServer, NotInstalled
-from ..store_cluster import SAFE, Injector, StoreCluster, StoreFault, register_cluster
+from ..store_cluster import SAFE, Fronted, Injector, StoreCluster, StoreFault, register_cluster
 
 __all__ = ["EtcdCluster", "EtcdMember", "PeerGates"]
 
@@ -285,49 +285,28 @@ class EtcdMember(EtcdServer):
         return f"<EtcdMember {self.member_name} {HOST}:{port} pid={self.pid} dir={self.dir}>"
 
 
-class _ClientEnd(BaseServer):
+class _ClientEnd(Fronted):
     """A member as clients reach it: through the cluster's client proxy."""
 
     kind = "etcd"
-
-    def __init__(self, member: EtcdMember, proxy: TcpProxy) -> None:
-        self.member, self.proxy = member, proxy
+    node: EtcdMember
 
     @property
     def url(self) -> str:
         return f"etcd://{HOST}:{self.proxy.port}?min_lease=1"
 
-    @property
-    def host(self) -> str:
-        return HOST
-
-    @property
-    def port(self) -> int:
-        return self.proxy.port
-
-    @property
-    def pid(self) -> int | None:
-        return self.member.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self.member.log_path
-
     def probe(self) -> None:
         probe_etcd(self.url, timeout=1.0)
 
     def start(self, timeout: float = START_TIMEOUT) -> Self:
-        self.member.start(timeout)
+        self.node.start(timeout)
         return self
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        return self.member.stop(timeout)
-
-    def close(self) -> None:
-        """Nothing: the cluster closes its members and proxies."""
+        return self.node.stop(timeout)
 
     def __repr__(self) -> str:
-        return f"<etcd {self.member.member_name} via {HOST}:{self.proxy.port}>"
+        return f"<etcd {self.node.member_name} via {HOST}:{self.proxy.port}>"
 
 
 class EtcdCluster(StoreCluster):

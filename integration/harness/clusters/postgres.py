@@ -50,7 +50,6 @@ import random
 import shutil
 import subprocess
 import time
-from pathlib import Path
 from typing import Any, Self
 
 from ..proxy import TcpProxy
@@ -58,6 +57,7 @@ from ..servers import START_TIMEOUT, BaseServer, PostgresServer, ServerError, ar
 from ..store_cluster import (
     MAY_LOSE_WRITES,
     SAFE,
+    Fronted,
     Injector,
     StoreCluster,
     StoreFault,
@@ -161,33 +161,15 @@ class _Node(PostgresServer):
         return f"<{self.name} {super().__repr__()[1:]}"
 
 
-class _Endpoint(BaseServer):
+class _Endpoint(Fronted):
     """What clients see of a node: its client proxy (the URL names it)."""
 
     kind = "postgres"
-
-    def __init__(self, node: _Node, proxy: TcpProxy) -> None:
-        self.node, self.proxy = node, proxy
+    node: _Node
 
     @property
     def url(self) -> str:
         return f"postgresql://postgres@{self.host}:{self.port}/postgres"
-
-    @property
-    def host(self) -> str:
-        return self.proxy.host
-
-    @property
-    def port(self) -> int:
-        return self.proxy.port
-
-    @property
-    def pid(self) -> int | None:
-        return self.node.pid
-
-    @property
-    def log_path(self) -> Path:
-        return self.node.log_path
 
     @property
     def control_unavailable(self) -> str:
@@ -199,9 +181,6 @@ class _Endpoint(BaseServer):
     def start(self, timeout: float = START_TIMEOUT) -> Self:
         self.wait_ready(time.monotonic() + timeout)
         return self
-
-    def close(self) -> None:
-        """The cluster closes the node and the proxy."""
 
     def __repr__(self) -> str:
         return f"<postgres endpoint {self.host}:{self.port} -> {self.node!r}>"

@@ -40,6 +40,7 @@ from ..servers import HOST, BaseServer, RedisServer, Server, ServerError, argv
 from ..store_cluster import (
     MAY_LOSE_WRITES,
     SAFE,
+    Fronted,
     Injector,
     StoreCluster,
     StoreFault,
@@ -514,42 +515,21 @@ class SentinelCluster(StoreCluster):
 # -- Redlock --------------------------------------------------------------------------------
 
 
-class _Fronted(BaseServer):
+class _Fronted(Fronted):
     """A Redlock node as the clients reach it: through the cluster's own proxy."""
 
     kind = "redis"
-
-    def __init__(self, node: RedisServer, proxy: TcpProxy) -> None:
-        self.node, self.proxy = node, proxy
+    node: RedisServer
 
     @property
     def url(self) -> str:
         return f"redis://{HOST}:{self.proxy.port}/0"
-
-    @property
-    def host(self) -> str:
-        return HOST
-
-    @property
-    def port(self) -> int:
-        return self.proxy.port
-
-    @property
-    def pid(self) -> int | None:
-        return self.node.pid
-
-    @property
-    def log_path(self) -> Path | None:
-        return self.node.log_path
 
     def probe(self) -> None:
         self.node.probe()
 
     def start(self, timeout: float = 30.0) -> Self:
         return self
-
-    def close(self) -> None:
-        """The cluster closes the node and the proxy."""
 
     def __repr__(self) -> str:
         return f"<redlock node {HOST}:{self.proxy.port} -> {self.node!r}>"

@@ -40,7 +40,7 @@ from ..fixtures_zookeeper import four_letter_word
 from ..install import zookeeper_classpath
 from ..proxy import TcpProxy
 from ..servers import HOST, START_TIMEOUT, BaseServer, NotInstalled, Server, ServerError
-from ..store_cluster import SAFE, Injector, StoreCluster, StoreFault, register_cluster
+from ..store_cluster import SAFE, Fronted, Injector, StoreCluster, StoreFault, register_cluster
 
 __all__ = ["ZooKeeperEnsemble"]
 
@@ -316,33 +316,15 @@ class ZooKeeperNode(Server):
         return f"<ZooKeeperNode {self.sid} {HOST}:{self.port} pid={self.pid}>"
 
 
-class _Front(BaseServer):
+class _Front(Fronted):
     """What clients see of one node: the cluster's client proxy in front of it."""
 
     kind = "zookeeper"
-
-    def __init__(self, node: ZooKeeperNode, proxy: TcpProxy) -> None:
-        self.node, self.proxy = node, proxy
+    node: ZooKeeperNode
 
     @property
     def url(self) -> str:
         return f"zookeeper://{self.host}:{self.port}?session_timeout={LEASE:g}"
-
-    @property
-    def host(self) -> str:
-        return self.proxy.host
-
-    @property
-    def port(self) -> int:
-        return self.proxy.port
-
-    @property
-    def pid(self) -> int | None:
-        return self.node.pid
-
-    @property
-    def log_path(self) -> Any:
-        return self.node.log_path
 
     def probe(self) -> None:
         reply = four_letter_word(self.url, "srvr", 1.0)
@@ -356,9 +338,6 @@ class _Front(BaseServer):
 
     def stop(self, timeout: float = 10.0) -> int | None:
         return self.node.stop(timeout)
-
-    def close(self) -> None:
-        """Nothing of its own: the ensemble closes the node and the proxy."""
 
     def __repr__(self) -> str:
         return f"<zookeeper node {self.node.sid} via {self.host}:{self.port}>"
