@@ -88,6 +88,19 @@ async def test_no_thread_and_no_descriptor_is_left(tmp_path: Path) -> None:
     assert open_descriptors() == descriptors
 
 
+async def test_a_watch_cancelled_while_waiting_releases_its_descriptor(tmp_path: Path) -> None:
+    descriptors = open_descriptors()
+    source = _inotify.changes(tmp_path, _watch.is_record)
+    assert await anext(source) == frozenset()
+    waiting = asyncio.ensure_future(anext(source))
+    await asyncio.sleep(0)  # the generator now waits for the descriptor to be readable
+    assert open_descriptors() == descriptors + 1
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert open_descriptors() == descriptors  # removed from the loop and closed
+
+
 async def test_a_deleted_directory_ends_the_watch(tmp_path: Path) -> None:
     directory = tmp_path / "leases"
     directory.mkdir()
