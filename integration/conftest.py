@@ -13,8 +13,9 @@ session) is added to its report.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 
 import pytest
 
@@ -119,6 +120,31 @@ def _servers_of(item: pytest.Item) -> list[BaseServer]:
             known = True
             used.extend(value)
     return list(dict.fromkeys(used)) if known else list(session_servers)
+
+
+#: How long a test's end waits for gRPC to finish the calls its providers cancelled.
+GRPC_SETTLES = 5.0
+
+
+@pytest.fixture(autouse=True)
+async def _grpc_settled() -> AsyncIterator[None]:
+    """Let gRPC finish, on this test's loop, the calls cancelled when its providers closed.
+
+    gRPC (the etcd driver) learns that a cancelled call is over a moment after the
+    cancel, through one poller thread for the whole process. If this test's loop closed
+    first, the next test's loop would receive that completion, try to hand it to the
+    closed loop and log "Event loop is closed" as an asyncio error (see the etcd
+    package's README, Limits). gRPC's own tasks on this loop end when their completions
+    arrive: wait for them, with a deadline. Runs last: autouse fixtures are set up first.
+    """
+    yield
+    pending = [
+        task
+        for task in asyncio.all_tasks()
+        if getattr(task.get_coro(), "__module__", "").startswith("grpc")
+    ]
+    if pending:
+        await asyncio.wait(pending, timeout=GRPC_SETTLES)
 
 
 @pytest.hookimpl(wrapper=True)
