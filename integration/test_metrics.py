@@ -75,6 +75,13 @@ class Replica:
             if sample.labels == {"group": self.group}
         }
 
+    def participant_id(self) -> str | None:
+        found = (re.match(r"(\S+) campaigns for ", line) for line in self.lines())
+        return next((m.group(1) for m in found if m), None)
+
+    def saw_leader(self, participant_id: str) -> bool:
+        return f"leader is {participant_id}" in self.lines()
+
     def ticked(self) -> bool:
         return any(line.startswith(TICK) for line in self.lines())
 
@@ -130,6 +137,14 @@ def test_scrapes_show_the_leader_and_a_fast_failover(replicas: list[Replica]) ->
     assert on_follower["multilock_terms_won_total"] == 0, on_follower
     assert on_follower["multilock_failover_seconds_count"] == 0, on_follower
     assert not follower.ticked(), "two leaders"
+    # The follower has seen the leader: it follows, so a release is news to it. (Stopped
+    # before its first round, the leader would leave it a free group to win at once,
+    # never seen vacant: no failover to observe.)
+    leader_id = leader.participant_id()
+    assert leader_id is not None, leader.report()
+    wait_for(
+        "the follower to see the leader", lambda: follower.saw_leader(leader_id) or None, replicas
+    )
 
     leader.proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()

@@ -23,6 +23,8 @@ import prometheus_client
 
 import multilock.prometheus
 from multilock.core import (
+    EventKind,
+    EventStream,
     LeaderElection,
     Leadership,
     MultilockError,
@@ -49,6 +51,12 @@ async def leader_work(leadership: Leadership, election: LeaderElection, interval
         await asyncio.sleep(interval)
 
 
+async def report_leaders(changes: EventStream) -> None:
+    """Say who leads each time that changes, as this replica sees it."""
+    async for event in changes:
+        say(f"leader is {'nobody' if event.leader is None else event.leader.participant_id}")
+
+
 async def run(args: argparse.Namespace) -> None:
     # Before the first election is created: every election of the process reports to it.
     multilock.prometheus.instrument()
@@ -62,7 +70,13 @@ async def run(args: argparse.Namespace) -> None:
         LeaderElection(provider, group=args.group, lease_duration=args.lease) as election,
     ):
         say(f"{election.participant_id} campaigns for {args.group!r} on {redact_url(args.url)}")
-        await election.run_while_leader(leader_work, election, args.interval)
+        # Subscribed before the first campaign round runs: no change of leader is missed.
+        changes = election.events(EventKind.LEADER_CHANGED)
+        reporting = asyncio.create_task(report_leaders(changes))
+        try:
+            await election.run_while_leader(leader_work, election, args.interval)
+        finally:
+            reporting.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:
