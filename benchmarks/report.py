@@ -25,6 +25,7 @@ import rebalance
 import roundtrip
 import scale
 import sigterm
+import timeline
 from common import (
     AZURE_POLL,
     FILE_POLL,
@@ -567,7 +568,7 @@ def reproduce(args: argparse.Namespace) -> list[str]:
 
 # --------------------------------------------------------------------------- --only
 #: The sections ``run.py --only`` can measure alone: module -> the start of its target lines.
-MERGEABLE = {locks: locks.TARGET, rebalance: rebalance.TARGET}
+MERGEABLE = {locks: locks.TARGET, rebalance: rebalance.TARGET, timeline: timeline.TARGET}
 
 
 def merge_sections(text: str, sections: list[str], extra: dict[str, Any]) -> str:

@@ -17,7 +17,8 @@
                              [--rebalance-lease 2] [--rebalance-window S]
                              [--plot PNG (default: failover.png beside --out)]
                              [--out benchmarks/REPORT.md]
-                             [--only locks,rebalance]
+                             [--timeline 60]
+                             [--only locks,rebalance,timeline]
 
 Starts its own throwaway servers (redis-server, postgres, etcd, moto's S3, Azurite,
 ZooKeeper) with the integration harness and stops them, by the PID it started, whatever
@@ -38,9 +39,10 @@ Then, on the same servers and lease: the peers (``peers.py``: tooz and kazoo), t
 run (``scale.py``), one process leading many groups (``groups.py``), SIGTERM of a leader
 process with and without ``stop_on_signals`` (``sigterm.py``), lock acquire and release
 beside python-redis-lock and pottery (``locks.py``), shard rebalancing over participant
-processes (``rebalance.py``) and the failover picture (``plot.py``).
+processes (``rebalance.py``), the failover picture (``plot.py``) and where a handoff's
+time goes (``timeline.py``).
 
-``--only locks,rebalance`` runs just those sections (on the servers of ``--backends``) and
+``--only locks,rebalance,timeline`` runs just those sections (on the servers of ``--backends``) and
 merges them into the report at ``--out``, replacing their earlier versions and keeping
 every other section's numbers as they are.
 """
@@ -74,6 +76,7 @@ import rebalance  # noqa: E402
 import roundtrip  # noqa: E402
 import scale  # noqa: E402
 import sigterm  # noqa: E402
+import timeline  # noqa: E402
 from backends import Backends  # noqa: E402
 from common import (  # noqa: E402
     ALL_BACKENDS,
@@ -89,6 +92,7 @@ from peers import RedisCounter, per_second  # noqa: E402
 from report import merge_sections, write_report  # noqa: E402
 
 from multilock.core import EventKind, LeaderElection, from_url  # noqa: E402
+from multilock.core.provider import Provider  # noqa: E402
 from multilock.core.testing import Cluster, FaultyProvider  # noqa: E402
 
 
@@ -105,11 +109,17 @@ async def _wait(predicate: Callable[[], bool], within: float) -> bool:
 #: The backends whose watch polls, and how often (seconds).
 POLLS = {**WATCH_POLLS, "filesystem": FILE_POLL}
 #: The sections `--only` can run alone (and merge into an existing report).
-ONLY = ("locks", "rebalance")
+ONLY = ("locks", "rebalance", "timeline")
 
 
 async def measure_handoff(
-    url: str, count: int, lease: float, hold: float | None = None, poll: float = 0.0
+    url: str,
+    count: int,
+    lease: float,
+    hold: float | None = None,
+    poll: float = 0.0,
+    wrap: Callable[[Provider, int], Provider] | None = None,
+    legs: list[timeline.Leg] | None = None,
 ) -> dict[str, Any]:
     """*count* resign() -> the other's ACQUIRED latencies (ms) of two elections on *url*.
 
@@ -118,12 +128,15 @@ async def measure_handoff(
     until that watch has read the new term too, then a random part of *poll*. With *hold*
     in seconds (the ping-pong phase), each new leader resigns *hold* after its ACQUIRED,
     so the leadership goes back to an election that resigned only a moment ago, well
-    within its hold-off.
+    within its hold-off. *wrap(provider, index)*, if given, wraps each election's provider;
+    *legs*, if given, gets (resign() called, ACQUIRED seen, the resigner) of each sample.
     """
     rng = random.Random(7)
     phase = "handoff" if hold is None else "pingpong"
     notify_delay: float | None = None
-    providers = [from_url(url), from_url(url)]
+    providers: list[Provider] = [from_url(url), from_url(url)]
+    if wrap is not None:
+        providers = [wrap(provider, i) for i, provider in enumerate(providers)]
     elections = [
         LeaderElection(
             provider,
@@ -184,6 +197,8 @@ async def measure_handoff(
                 continue
             if hold is None or leg:
                 latencies.append(won - started)
+                if legs is not None:
+                    legs.append((started, won, leader))
             if hold is None:
                 await _wait(back(leader), HANDOFF_RETRY + lease * 3)
                 # A polling watch may have last read the store before the new term began;
@@ -442,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             trips = {n: r.get("round_trip") for n, r in results.items()}
             sections += sigterm.report_section(extra["sigterm"], trips)
         sections += run_holders(backends.urls, args, phase, extra)
+        sections += run_timeline(backends.urls, args, phase, extra)
         if args.plot:
             sections += plot.run(backends.urls, args, phase)
         background.join()
@@ -488,6 +504,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rebalance-participants", type=int, default=4)
     parser.add_argument("--rebalance-lease", type=float, default=2.0)
     parser.add_argument("--rebalance-window", type=float, default=None)
+    parser.add_argument("--timeline", type=int, default=60, help="handoffs timed; 0: skip")
     parser.add_argument("--plot", default=None, help="default: failover.png beside --out")
     parser.add_argument("--plot-backend", default="postgres")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "REPORT.md"))
@@ -533,12 +550,45 @@ def run_holders(
     return sections
 
 
+def run_timeline(
+    urls: dict[str, str],
+    args: argparse.Namespace,
+    phase: Callable[[str], None],
+    extra: dict[str, Any],
+    note: Callable[[], str] = str,
+) -> list[str]:
+    """Section 11: section 1's handoffs again, each step timed (``timeline.py``)."""
+    if not args.timeline:
+        return []
+    phase("timeline")
+    results: dict[str, Any] = {}
+    for name, url in urls.items():
+        marks: list[timeline.Mark] = []
+        legs: list[timeline.Leg] = []
+
+        def wrap(provider: Provider, index: int, marks: list[timeline.Mark] = marks) -> Provider:
+            return timeline.Stamped(provider, index, marks)
+
+        lease, poll = plan(name, args)["lease"], POLLS.get(name, 0.0)
+        count = min(args.timeline, plan(name, args)["handoffs"])
+        try:
+            asyncio.run(measure_handoff(url, count, lease, poll=poll, wrap=wrap, legs=legs))
+        except Exception as exc:
+            results[name] = {"error": repr(exc)[:300]}
+        else:
+            results[name] = timeline.summarize(marks, legs)
+        say(f"{name}: timeline {results[name]}")
+    extra["timeline"] = results
+    return timeline.report_section(results, note=note())
+
+
 def run_only(args: argparse.Namespace, names: list[str]) -> int:
     """Run only the sections of ``--only`` and merge them into the report at ``--out``,
     which keeps every other section as it was."""
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     args.locks = args.locks if "locks" in only else 0
     args.rebalance = args.rebalance if "rebalance" in only else 0
+    args.timeline = args.timeline if "timeline" in only else 0
     began = time.monotonic()
     backends = Backends(names)
     loads: list[str] = []
@@ -565,6 +615,7 @@ def run_only(args: argparse.Namespace, names: list[str]) -> int:
         say(f"starting servers for {', '.join(names)}")
         backends.start()
         sections = run_holders(backends.urls, args, phase, extra, note)
+        sections += run_timeline(backends.urls, args, phase, extra, note)
     finally:
         backends.close()
     out = Path(args.out)

@@ -4,8 +4,8 @@ Numbers are not judged here (performance targets live in benchmarks/REPORT.md); 
 proves the measurements run: every handoff and ping-pong hand-back happens, every crash
 timeline is safe, every peer (tooz, kazoo) is measured, the scale run reaches a leader and
 fails over on each of its backends, one process leads many groups on Redis and PostgreSQL,
-a SIGTERM'd leader process hands over with and without `stop_on_signals`, and the failover
-picture is drawn.
+a SIGTERM'd leader process hands over with and without `stop_on_signals`, the failover
+picture is drawn, and each handoff is cut into its steps.
 """
 
 import os
@@ -122,3 +122,47 @@ def test_benchmark_runner_measures_everything(tmp_path):
     float(row[2])
     float(row[6])
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    steps = section(text, 11)
+    for backend in BACKENDS:
+        row = cells(steps, backend)
+        assert row[1].startswith("4 ("), f"{backend}: timed handoffs {row[1]}"
+        float(row[-1])  # the total: at least one handoff had every step
+
+
+def test_timeline_cuts_a_handoff_at_its_own_participants_steps():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import timeline
+
+    marks = [
+        ("release sent", 0, 10.0001),
+        ("woken", 0, 10.0003),  # the resigner's own watch: not the follower's wake
+        ("acquire sent", 0, 10.0004),  # the resigner's look-again: not the follower's
+        ("woken", 1, 10.0010),
+        ("acquire sent", 1, 10.0013),
+        ("acquire answered", 1, 10.0020),
+        ("release sent", 1, 20.0002),  # a handoff whose follower never woke: left out
+    ]
+    legs = [(10.0, 10.0026, 0), (20.0, 20.0100, 1)]
+    result = timeline.summarize(marks, legs)
+    assert (result["handoffs"], result["left_out"]) == (2, 1)
+    expected = {
+        "before_release": 0.1,
+        "release_to_woken": 0.9,
+        "woken_to_acquire": 0.3,
+        "acquire": 0.7,
+        "answered_to_event": 0.6,
+        "total": 2.6,
+    }
+    assert result == {
+        "handoffs": 2,
+        "left_out": 1,
+        **{k: pytest.approx(v) for k, v in expected.items()},
+    }
+    lines = timeline.report_section({"redis": result})
+    assert cells("\n".join(lines), "redis") == [
+        "redis",
+        "2 (1)",
+        *(f"{expected[name]:.2f}" for name, _ in timeline.STEPS),
+        "2.60",
+    ]
