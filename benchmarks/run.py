@@ -457,9 +457,9 @@ def main(argv: list[str] | None = None) -> int:
             trips = {n: r.get("round_trip") for n, r in results.items()}
             sections += sigterm.report_section(extra["sigterm"], trips)
         sections += run_holders(backends.urls, args, phase, extra)
-        sections += run_timeline(backends.urls, args, phase, extra)
         if args.plot:
             sections += plot.run(backends.urls, args, phase)
+        sections += run_timeline(backends.urls, args, phase, extra)  # 11, after the picture
         background.join()
         phase("report")
         text = write_report(args, results, time.monotonic() - began, sections, loads, extra)
@@ -569,8 +569,8 @@ def run_timeline(
         def wrap(provider: Provider, index: int, marks: list[timeline.Mark] = marks) -> Provider:
             return timeline.Stamped(provider, index, marks)
 
-        lease, poll = plan(name, args)["lease"], POLLS.get(name, 0.0)
-        count = min(args.timeline, plan(name, args)["handoffs"])
+        p = plan(name, args)
+        lease, poll, count = p["lease"], POLLS.get(name, 0.0), min(args.timeline, p["handoffs"])
         try:
             asyncio.run(measure_handoff(url, count, lease, poll=poll, wrap=wrap, legs=legs))
         except Exception as exc:
