@@ -71,7 +71,7 @@ def test_query_options_are_read_and_keywords_win() -> None:
         ("https://h?tls=true", "tls= only goes with consul://"),
         ("consul://h?timeout=soon", "timeout must be seconds"),
         ("consul://h?timeout=0", "timeout must be a positive"),
-        ("consul://h:99999", "invalid Consul address"),
+        ("consul://h:99999", "invalid Consul URL: its host or port does not parse"),
         ("consul://h?prefix=/leading", "prefix"),
         ("consul://h?prefix=a/../b", "prefix"),
         ("consul://h?dc=bad%20dc", "dc"),

@@ -110,3 +110,58 @@ def test_driver_errors_are_scrubbed(monkeypatch):
     assert "topsecret" not in str(info.value)
     assert "tok123" not in str(info.value)
     assert "***" in str(info.value)
+
+
+# --------------------------------------------------------------------------- split_url
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://:Xq7f/Zr9k@host:6379/0",  # a password cut by '/': the port reads "Xq7f"
+        "redis://user:Xq7f?Zr9k@host",  # ... by '?'
+        "redis://:Xq7f#Zr9k@host",  # ... by '#'
+        "redis://:12/Zr9k@host",  # a numeric port, but no host before it
+        "zk://u:Xq7f/Zr9k@h1:2181,h2:2181",  # one of a host list
+        "redis://host:99999",  # a port out of range
+        "redis://[::1",  # urllib's own ValueError
+    ],
+)
+def test_split_url_refuses_a_url_whose_host_or_port_does_not_parse(url):
+    from multilock.core.provider import split_url
+    from multilock.core.testing import error_texts
+
+    with pytest.raises(ConfigurationError) as caught:
+        split_url(url, "Redis", "a password")
+    assert str(caught.value) == (
+        "invalid Redis URL: its host or port does not parse (percent-encode a password: "
+        "'/' as %2F, '?' as %3F, '#' as %23)"
+    )
+    assert caught.value.__context__ is None
+    assert caught.value.__cause__ is None
+    assert all(s not in t for t in error_texts(caught.value) for s in ("Xq7f", "Zr9k", url))
+
+
+@pytest.mark.parametrize(
+    ("url", "netloc"),
+    [
+        ("redis://u:p%2Fw@host:6379/0", "u:p%2Fw@host:6379"),  # encoded: fine
+        ("redis://host:6379/0?client_name=me@there", "host:6379"),  # '@' in the query
+        ("zk://h1:2181,h2:2181/app@prod", "h1:2181,h2:2181"),  # '@' in a chroot
+        ("postgresql://u:p@h1:5432,[::1]:5433/db", "u:p@h1:5432,[::1]:5433"),
+        ("postgresql:///db?host=/run/postgresql", ""),
+        ("file:///var/lib/leases", ""),
+    ],
+)
+def test_split_url_returns_what_urlsplit_does_for_a_url_that_parses(url, netloc):
+    from urllib.parse import urlsplit
+
+    from multilock.core.provider import split_url
+
+    assert split_url(url, "X") == urlsplit(url)
+    assert split_url(url, "X").netloc == netloc
+
+
+def test_split_url_takes_the_secret_s_own_characters():
+    from multilock.core.provider import split_url
+
+    with pytest.raises(ConfigurationError, match=r"\(percent-encode a key: '\+' as %2B\)$"):
+        split_url("s3://a:b/c@h", "S3", "a key: '+' as %2B")

@@ -14,7 +14,7 @@ import pytest
 
 from multilock.core import ConfigurationError, ProviderError, from_url
 from multilock.postgres import PostgresProvider
-from multilock.postgres._conninfo import ConnInfo, split_url
+from multilock.postgres._conninfo import ConnInfo, split_options
 from multilock.postgres._sql import Statements, channel_name, validate_identifier
 
 SECRET = "s3cr3t-Pw"
@@ -122,7 +122,7 @@ def test_url_may_name_schema_and_table_and_keywords_win() -> None:
 
 
 def test_split_url_keeps_libpq_parameters_intact() -> None:
-    url, ours = split_url("postgresql://h/db?options=-c%20search_path%3Dx&schema=s")
+    url, ours = split_options("postgresql://h/db?options=-c%20search_path%3Dx&schema=s")
     assert ours == {"schema": "s"}
     assert psycopg.conninfo.conninfo_to_dict(url)["options"] == "-c search_path=x"
 

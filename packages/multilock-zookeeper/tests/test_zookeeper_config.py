@@ -126,3 +126,12 @@ def test_the_lease_is_at_least_the_session_timeout() -> None:
         LeaderElection(ZooKeeperProvider("h1"), group="g", lease_duration=9.0)
     short = ZooKeeperProvider("h1", session_timeout=timedelta(seconds=1))
     LeaderElection(short, group="g", lease_duration=1.0)  # the benchmarks' lease
+
+
+@pytest.mark.parametrize("hosts", ["h1:2181,h2:Xq7f", "app:Xq7f", "h1:99999"])
+def test_hosts_whose_port_does_not_parse_are_refused_when_built(hosts: str) -> None:
+    # Before: kazoo's ValueError at the first call ("Port could not be cast to integer
+    # value as 'Xq7f'"), not a ConfigurationError, quoting what may be half a password.
+    with pytest.raises(ConfigurationError, match="host or port does not parse") as caught:
+        ZooKeeperProvider(hosts)
+    assert "Xq7f" not in str(caught.value)

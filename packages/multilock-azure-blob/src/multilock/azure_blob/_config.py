@@ -22,9 +22,15 @@ import re
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
-from multilock.core.provider import ConfigurationError, check_url_options, redact_url, to_seconds
+from multilock.core.provider import (
+    ConfigurationError,
+    check_url_options,
+    redact_url,
+    split_url,
+    to_seconds,
+)
 
 __all__ = [
     "SCHEME",
@@ -77,18 +83,8 @@ def secrets_of_connection_string(text: str) -> list[str]:
 
 def parse_url(url: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """Turn an ``azureblob://`` URL plus keywords into `AzureBlobProvider` keywords."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        parts = None
-    if parts is None:
-        # Not the URL nor urllib's error (raised outside its handler, so it is not this
-        # error's context): an unencoded '/' in an account key shows up as the port.
-        raise ConfigurationError(
-            "bad Azure Blob URL: its host or port does not parse (percent-encode an account "
-            "key: '/' as %2F, '+' as %2B, '=' as %3D)"
-        )
+    parts = split_url(url, "Azure Blob", "an account key: '/' as %2F, '+' as %2B, '=' as %3D")
+    port = parts.port
     shown = redact_url(url)
     if parts.scheme.lower() != SCHEME:
         raise ConfigurationError(f"an Azure Blob URL starts with {SCHEME}://, not {shown!r}")

@@ -10,7 +10,7 @@ import math
 import re
 from datetime import timedelta
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 import attrs
 import requests
@@ -21,6 +21,7 @@ from multilock.core.provider import (
     LeaseBounds,
     check_url_options,
     redact_url,
+    split_url,
     to_seconds,
 )
 
@@ -110,18 +111,8 @@ def parse_address(url: str) -> dict[str, Any]:
     if not isinstance(url, str):
         raise ConfigurationError(f"address must be a str, not {type(url).__name__}")
     shown = redact_url(url)
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        parts = None
-    if parts is None:
-        # Neither the URL nor urllib's error (raised outside its handler, so it is not this
-        # error's context): an unencoded '/' in a token makes the rest of it the "port".
-        raise ConfigurationError(
-            "invalid Consul address: its host or port does not parse (percent-encode a "
-            "token: '/' as %2F)"
-        )
+    parts = split_url(url, "Consul", "a token")
+    port = parts.port
     scheme = parts.scheme.lower()
     if scheme not in ("consul", "http", "https"):
         raise ConfigurationError(

@@ -11,12 +11,19 @@ import importlib
 import re
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from ._errors import ConfigurationError
 from ._provider import Provider
 
-__all__ = ["ENTRY_POINT_GROUP", "available_schemes", "from_url", "redact_text", "redact_url"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "available_schemes",
+    "from_url",
+    "redact_text",
+    "redact_url",
+    "split_url",
+]
 
 ENTRY_POINT_GROUP = "multilock.providers"
 _BUILTIN = {"memory": "multilock.core._memory:InMemoryProvider"}
@@ -88,6 +95,45 @@ def _unparsed_password(url: str) -> tuple[str, str, str] | None:
     if not colon:
         return None
     return f"{scheme}://{user}:", password, rest[at:]
+
+
+#: One host of a URL's host list: a name or an [IPv6 address], and an optional port.
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s\[\]:/?#@,]+)(?::(\d{1,5}))?")
+
+
+def split_url(url: str, name: str, encode: str = "a password") -> SplitResult:
+    """``urllib.parse.urlsplit(url)``, refused unless its hosts and ports parse.
+
+    A password (a token, a key) with an unencoded ``/``, ``?`` or ``#`` ends urllib's
+    host part inside the secret: ``redis://:se/cret@host`` reads as the host ``""`` and
+    the port ``se``, which urllib's error, a driver's "cannot resolve" or a host list
+    parser would go on to quote. Such a URL, or one whose port is not a number, raises
+    `ConfigurationError` with neither the URL nor urllib's error in it (nor as its
+    context): "invalid *name* URL: its host or port does not parse (percent-encode
+    *encode*...)". *encode* names the secret, and may add the characters it often holds
+    (``"a secret key: '/' as %2F, '+' as %2B"``). A host list (``h1:1,h2:2``) is checked
+    host by host; what each host may be is left to the provider.
+    """
+    hint = encode if ":" in encode else f"{encode}: '/' as %2F, '?' as %3F, '#' as %23"
+    try:
+        parts = urlsplit(url)
+        hosts = parts.netloc.rpartition("@")[2]
+        if "," in hosts or _unparsed_password(url) is not None:
+            parses = all(_fits(host) for host in hosts.split(","))
+        else:
+            parses = parts.port is None or parts.port >= 0  # raises if it is not a number
+    except ValueError:
+        parses = False
+    if not parses:
+        raise ConfigurationError(
+            f"invalid {name} URL: its host or port does not parse (percent-encode {hint})"
+        )
+    return parts
+
+
+def _fits(host: str) -> bool:
+    match = _HOST_PORT.fullmatch(host)
+    return match is not None and int(match.group(2) or 0) < 65536
 
 
 def redact_url(url: str) -> str:

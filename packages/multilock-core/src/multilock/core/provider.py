@@ -18,6 +18,8 @@ A backend imports only from here (and `multilock.core`'s public names), never fr
 - `to_seconds`, `validate_name`, `validate_metadata`: for a provider's own settings
   (URL options, constructor arguments); `validate_identifier` for SQL schema and table
   names.
+- `split_url`: split a provider's URL, refusing (without quoting it) one whose host or
+  port does not parse, as when a password holds an unencoded ``/``, ``?`` or ``#``.
 - `redact_url` and `scrub`: a URL fit for messages, and a message without the URL's
   secrets.
 - `call_until`: await a coroutine until a deadline on the loop's clock, without waiting
@@ -30,7 +32,7 @@ from ._errors import ConfigurationError, ProviderError
 from ._names import to_seconds, validate_identifier, validate_metadata, validate_name
 from ._provider import LeaseBounds, Provider
 from ._types import LeaderInfo
-from ._url import redact_url, scrub
+from ._url import redact_url, scrub, split_url
 from ._url_options import check_url_options
 from ._watching import EXPIRY_SLACK, Notifications, Observed, poll_watch
 
@@ -49,6 +51,7 @@ __all__ = [
     "poll_watch",
     "redact_url",
     "scrub",
+    "split_url",
     "to_seconds",
     "validate_identifier",
     "validate_metadata",

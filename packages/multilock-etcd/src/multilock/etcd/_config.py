@@ -71,7 +71,7 @@ def parse_url(url: str) -> tuple[list[str], dict[str, Any]]:
             f"an IPv6 address goes in brackets, as in [::1]:2379, in the etcd URL; "
             f"the form is {_FORM}"
         ) from None
-    if parts.scheme != "etcd" or parts.fragment:
+    if parts.scheme != "etcd":
         raise ConfigurationError(f"an etcd URL is {_FORM}, not {redact_url(url)}")
     hosts = parts.netloc.rpartition("@")[2]
     items = hosts.split(",")
@@ -83,7 +83,7 @@ def parse_url(url: str) -> tuple[list[str], dict[str, Any]]:
         except ValueError as exc:
             # Never the URL's text: an unencoded '/' in a password makes the rest of it
             # the "port" (and urllib's own error quoted it).
-            hint = " (percent-encode a password: '/' as %2F, '@' as %40)"
+            hint = " (percent-encode a password: '/' as %2F, '?' as %3F, '#' as %23)"
             problem = f"{exc} in the etcd URL{where}{hint if 'port' in str(exc) else ''}"
         else:
             if endpoint not in endpoints:
@@ -92,6 +92,8 @@ def parse_url(url: str) -> tuple[list[str], dict[str, Any]]:
             first = endpoints.index(endpoint) + 1
             problem = f"member {number} of the etcd URL repeats member {first}"
         raise ConfigurationError(f"{problem}; the form is {_FORM}")
+    if parts.fragment:  # after the members: a '#' in a password makes a bad port of them
+        raise ConfigurationError(f"an etcd URL is {_FORM}, not {redact_url(url)}")
     pairs = parse_qsl(parts.query, keep_blank_values=True)
     check_url_options((name for name, _ in pairs), _OPTIONS, scheme="etcd")
     options: dict[str, Any] = {}

@@ -20,10 +20,11 @@ from multilock.core.provider import (
     check_url_options,
     redact_url,
     scrub,
+    split_url,
     to_seconds,
 )
 
-__all__ = ["SCHEMES", "ConnInfo", "connect_bound", "host_count", "libpq_keywords", "split_url"]
+__all__ = ["SCHEMES", "ConnInfo", "connect_bound", "host_count", "libpq_keywords", "split_options"]
 
 SCHEMES = ("postgresql", "postgres")
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -64,6 +65,7 @@ class ConnInfo:
                 f"unsupported URL scheme {scheme.group(1)!r}: use postgresql:// or postgres://"
             )
         if scheme:
+            split_url(text, "PostgreSQL")  # libpq would read a cut password as host or port
             # The constructor's URL goes to libpq as it is: schema and table are keywords.
             _check_query(text, (), also="schema and table only in from_url's URL")
         try:
@@ -129,9 +131,9 @@ def _check_query(url: str, ours: tuple[str, ...], also: str | None = None) -> No
     check_url_options(names, known, scheme=parts.scheme.lower(), also=also)
 
 
-def split_url(url: str) -> tuple[str, dict[str, str]]:
+def split_options(url: str) -> tuple[str, dict[str, str]]:
     """Take ``schema`` and ``table`` out of *url*'s query; libpq would reject them."""
-    parts = urlsplit(url)
+    parts = split_url(url, "PostgreSQL")
     if parts.scheme.lower() not in SCHEMES:
         raise ConfigurationError("a PostgreSQL URL starts with postgresql:// or postgres://")
     _check_query(url, _OURS)

@@ -60,7 +60,7 @@ from multilock.core.provider import (
 
 from ._calls import PostgresCalls
 from ._connections import Connections, Source
-from ._conninfo import split_url
+from ._conninfo import split_options
 from ._sql import Statements, validate_identifier
 
 __all__ = ["PostgresProvider"]
@@ -120,7 +120,7 @@ class PostgresProvider(Provider):
         Its ``schema`` and ``table`` query parameters are read here (keywords win); every
         other query parameter goes to libpq.
         """
-        url, ours = split_url(url)
+        url, ours = split_options(url)
         return cls(url, **{**ours, **kwargs})
 
     def __repr__(self) -> str:

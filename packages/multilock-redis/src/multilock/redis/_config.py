@@ -20,7 +20,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from multilock.core.provider import ConfigurationError, check_url_options, redact_url, to_seconds
+from multilock.core.provider import (
+    ConfigurationError,
+    check_url_options,
+    redact_url,
+    split_url,
+    to_seconds,
+)
 
 if TYPE_CHECKING:
     from ._sentinel import MasterCheck
@@ -35,7 +41,7 @@ __all__ = [
     "parse_hosts",
     "redlock_targets",
     "sentinel_client",
-    "split_url",
+    "split_options",
 ]
 
 DEFAULT_KEY_PREFIX = "multilock:"
@@ -217,7 +223,7 @@ def driver_url_options(scheme: str) -> tuple[str, ...]:
     return tuple(sorted(offered | _POOL_OPTIONS))
 
 
-def split_url(url: str, schemes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+def split_options(url: str, schemes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
     """Return *url* without our own query options, and those options.
 
     Every query option must be ours or one redis-py takes: a typo is refused here, with
@@ -225,8 +231,8 @@ def split_url(url: str, schemes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
     """
     if not isinstance(url, str):
         raise ConfigurationError(f"url must be a str, not {type(url).__name__}")
+    parts = split_url(url, "Redlock" if url.lower().startswith("redlock:") else "Redis")
     try:
-        parts = urlsplit(url)
         pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
     except ValueError as exc:
         raise ConfigurationError(f"invalid URL {redact_url(url)}: {exc}") from None
@@ -363,7 +369,7 @@ def redlock_targets(nodes: object) -> tuple[list[str | Redis], dict[str, str]]:
     query: dict[str, str] = {}
     targets: list[str | Redis] = []
     if isinstance(nodes, str):
-        stripped, query = split_url(nodes, ("redlock",))
+        stripped, query = split_options(nodes, ("redlock",))
         userinfo, hosts, path = parse_hosts(stripped, 6379)
         rest = urlsplit(stripped).query
         at = f"{userinfo}@" if userinfo else ""
@@ -371,7 +377,7 @@ def redlock_targets(nodes: object) -> tuple[list[str | Redis], dict[str, str]]:
     elif isinstance(nodes, Sequence) and nodes:
         for target in nodes:
             if isinstance(target, str):
-                url, own = split_url(target, ("redis", "rediss"))
+                url, own = split_options(target, ("redis", "rediss"))
                 if own:
                     raise ConfigurationError(
                         f"give {', '.join(own)} to RedlockProvider, not in the URL of a node "

@@ -42,7 +42,7 @@ from redis.asyncio import Redis
 from multilock.core.provider import ConfigurationError, LeaderInfo, Notifications, ProviderError
 
 from ._base import RedisBase
-from ._config import Settings, split_url
+from ._config import Settings, split_options
 from ._node import Node, encode_metadata, lease_ms
 
 __all__ = ["RedisProvider", "lease_ms"]
@@ -82,7 +82,7 @@ class RedisProvider(RedisBase):
     ) -> None:
         query: dict[str, str] = {}
         if isinstance(client, str):
-            client, query = split_url(client, _SCHEMES)
+            client, query = split_options(client, _SCHEMES)
         elif not isinstance(client, Redis):
             raise ConfigurationError(
                 f"client must be a URL or a redis.asyncio.Redis, not {type(client).__name__}"

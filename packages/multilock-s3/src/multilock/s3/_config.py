@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
-from multilock.core.provider import ConfigurationError, check_url_options, redact_url
+from multilock.core.provider import ConfigurationError, check_url_options, redact_url, split_url
 
 __all__ = ["check_bucket", "check_prefix", "parse_url"]
 
@@ -50,18 +50,8 @@ def check_prefix(prefix: object) -> str:
 def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
     """Split an S3 URL into ``(endpoint, bucket, keyword options)``."""
     shown = redact_url(url)
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        parts = None
-    if parts is None:
-        # Not the URL nor urllib's error (raised outside its handler, so it is not this
-        # error's context): an unencoded '/' in a secret key shows up as the port.
-        raise ConfigurationError(
-            "bad S3 URL: its host or port does not parse (percent-encode a secret key: "
-            "'/' as %2F, '+' as %2B)"
-        )
+    parts = split_url(url, "S3", "a secret key: '/' as %2F, '+' as %2B")
+    port = parts.port
     if parts.scheme not in _SCHEMES:
         raise ConfigurationError(f"an S3 URL starts with s3:// or s3+http://, got {shown}")
     if not parts.hostname:

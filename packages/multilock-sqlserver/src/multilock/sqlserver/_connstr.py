@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import attrs
 
-from multilock.core.provider import ConfigurationError, check_url_options, redact_url
+from multilock.core.provider import ConfigurationError, check_url_options, redact_url, split_url
 
 __all__ = ["SCHEMES", "ConnString", "format_pairs", "parse_odbc", "parse_url"]
 
@@ -141,18 +141,8 @@ def parse_url(url: str) -> tuple[Pairs, dict[str, str]]:
     The server is written the way Microsoft's drivers read it (``tcp:host,port``);
     `ConnString.connect_string` rewrites it for FreeTDS (``Server=host;Port=port``).
     """
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        parts = None
-    if parts is None:
-        # Not the URL nor urllib's error (raised outside its handler, so it is not this
-        # error's context): an unencoded '/' in a password shows up as the port.
-        raise ConfigurationError(
-            "invalid SQL Server URL: its host or port does not parse (percent-encode a "
-            "password: '/' as %2F, '@' as %40)"
-        )
+    parts = split_url(url, "SQL Server", "a password: '/' as %2F, '?' as %3F, '#' as %23")
+    port = parts.port
     if parts.scheme.lower() not in SCHEMES:
         raise ConfigurationError("a SQL Server URL starts with mssql:// or sqlserver://")
     if not parts.hostname:

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote
 
 import attrs
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
@@ -41,6 +41,7 @@ from multilock.core.provider import (
     Provider,
     check_url_options,
     redact_url,
+    split_url,
     to_seconds,
 )
 
@@ -112,6 +113,8 @@ class ZooKeeperProvider(Provider):
 
     def __init__(self, hosts: str | KazooClient, /, *, auth: str | None = None, **options: Any):
         self._settings = s = Settings(**options)
+        if isinstance(hosts, str):
+            split_url(f"zookeeper://{hosts}", "ZooKeeper")  # else kazoo's error quotes it
         self._hosts, self._auth = hosts, auth
         self._client: Any = None if isinstance(hosts, str) else hosts
         where = f"zookeeper://{hosts}" if isinstance(hosts, str) else "a KazooClient"
@@ -129,7 +132,7 @@ class ZooKeeperProvider(Provider):
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> ZooKeeperProvider:
         """Build from ``zookeeper://[user:pass@]h1:2181,h2:2181[/chroot][?options]``."""
-        shown, parts = redact_url(url), urlsplit(url)
+        shown, parts = redact_url(url), split_url(url, "ZooKeeper")
         if parts.scheme not in ("zookeeper", "zk"):
             raise ConfigurationError(f"not a ZooKeeper URL: {shown}")
         userinfo, _, hosts = parts.netloc.rpartition("@")

@@ -1,0 +1,60 @@
+"""Every provider refuses, at its URL, a password cut short by an unencoded '/', '?' or '#',
+and no part of that password is in the error or anything chained to it.
+
+urllib ends a URL's host part at the first of those characters, so the start of such a
+password reads as the port (``redis://:Xq7f/Zr9k@host`` has the port ``Xq7f``). A URL
+parser's error, a driver's "cannot resolve host" or a host-list check would quote it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from multilock.core import ConfigurationError, available_schemes, from_url
+from multilock.core.testing import error_texts
+
+FIRST, SECOND = "Xq7f", "Zr9k"  # the password's two halves
+
+#: One URL a scheme (with its user, hosts and path), the password standing for {pw}.
+URLS = {
+    "redis": "redis://:{pw}@localhost:6379/0",
+    "rediss": "rediss://user:{pw}@localhost/0",
+    "redis+sentinel": "redis+sentinel://:{pw}@s1:26379,s2:26379/mymaster",
+    "redlock": "redlock://:{pw}@h1:6379,h2:6379,h3:6379/0",
+    "postgresql": "postgresql://app:{pw}@localhost:5432/db",
+    "postgres": "postgres://app:{pw}@db1:5432,db2:5432/db",
+    "zookeeper": "zookeeper://app:{pw}@localhost:2181/chroot",
+    "zk": "zk://app:{pw}@z1:2181,z2:2181",
+    "etcd": "etcd://app:{pw}@localhost:2379",
+    "s3": "s3://AKIAEXAMPLE:{pw}@localhost:9000/bucket",
+    "s3+http": "s3+http://AKIAEXAMPLE:{pw}@localhost:9000/bucket",
+    "azureblob": "azureblob://account:{pw}@localhost:10000/leases",
+    "consul": "consul://:{pw}@localhost:8500",
+    "mssql": "mssql://sa:{pw}@localhost:1433/db",
+    "sqlserver": "sqlserver://sa:{pw}@localhost/db",
+}
+
+
+def test_every_scheme_with_credentials_is_covered() -> None:
+    assert set(available_schemes()) - {"memory", "file"} == set(URLS)
+
+
+@pytest.mark.parametrize("cut", ["/", "?", "#"])
+@pytest.mark.parametrize("scheme", sorted(URLS))
+def test_a_password_cut_by_an_unencoded_character_is_refused_unquoted(
+    scheme: str, cut: str
+) -> None:
+    url = URLS[scheme].format(pw=f"{FIRST}{cut}{SECOND}")
+    with pytest.raises(ConfigurationError) as caught:
+        from_url(url)
+    texts = error_texts(caught.value)
+    assert all(FIRST not in text and SECOND not in text for text in texts), texts
+    assert "percent-encode" in str(caught.value)
+
+
+@pytest.mark.parametrize("scheme", sorted(URLS))
+def test_the_same_password_percent_encoded_is_taken(scheme: str) -> None:
+    url = URLS[scheme].format(pw=f"{FIRST}%2F{SECOND}")
+    provider = from_url(url)  # built, not connected: no server is needed
+    assert FIRST not in repr(provider)
+    assert SECOND not in repr(provider)
