@@ -58,3 +58,12 @@ def test_the_same_password_percent_encoded_is_taken(scheme: str) -> None:
     provider = from_url(url)  # built, not connected: no server is needed
     assert FIRST not in repr(provider)
     assert SECOND not in repr(provider)
+
+
+@pytest.mark.parametrize("scheme", sorted(URLS))
+def test_an_at_sign_in_a_password_needs_no_encoding(scheme: str) -> None:
+    # The last '@' ends the user information, as urllib reads it (libpq, which ends it
+    # at the first, is given the password's '@' encoded: see multilock-postgres' tests).
+    provider = from_url(URLS[scheme].format(pw=f"{FIRST}@{SECOND}"))
+    assert FIRST not in repr(provider)
+    assert SECOND not in repr(provider)

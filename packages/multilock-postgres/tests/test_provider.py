@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from multilock.core import ConfigurationError, ProviderError, from_url
 from multilock.postgres import PostgresProvider
@@ -209,3 +210,14 @@ async def test_closed_provider_refuses_calls_and_aclose_is_idempotent() -> None:
     await provider.aclose()
     with pytest.raises(ProviderError, match="closed"):
         await provider.get_leader("g")
+
+
+def test_a_url_s_user_and_password_may_hold_an_unencoded_at_sign() -> None:
+    # libpq ends a URL's user information at its first '@' (urllib at the last): it read
+    # "postgresql://app:p@ss@db/x" as the password "p" and the host "ss@db", and quoted
+    # that host, the password's tail, in its "failed to resolve host" error.
+    info = ConnInfo.parse("postgresql://app@corp:p@ss@127.0.0.1:5432/x", None)
+    params = conninfo_to_dict(info.conninfo)
+    assert (params["user"], params["password"], params["host"]) == ("app@corp", "p@ss", "127.0.0.1")
+    assert info.shown == "postgresql://app%40corp:***@127.0.0.1:5432/x"
+    assert "p@ss" in info.secrets

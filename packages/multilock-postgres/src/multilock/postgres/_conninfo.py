@@ -65,7 +65,15 @@ class ConnInfo:
                 f"unsupported URL scheme {scheme.group(1)!r}: use postgresql:// or postgres://"
             )
         if scheme:
-            split_url(text, "PostgreSQL")  # libpq would read a cut password as host or port
+            # libpq would read a password cut by '/', '?' or '#' as the host or port...
+            parts = split_url(text, "PostgreSQL")
+            userinfo, at, hosts = parts.netloc.rpartition("@")
+            if "@" in userinfo:
+                # ... and it ends the user information at the first '@', where urllib (and
+                # the URL of every other store) ends it at the last: libpq would take the
+                # rest of a password holding one for the host, and quote it in its errors.
+                netloc = f"{userinfo.replace('@', '%40')}{at}{hosts}"
+                text = urlunsplit(parts._replace(netloc=netloc))
             # The constructor's URL goes to libpq as it is: schema and table are keywords.
             _check_query(text, (), also="schema and table only in from_url's URL")
         try:
