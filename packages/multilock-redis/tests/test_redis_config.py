@@ -168,6 +168,35 @@ def test_a_built_client_has_a_bounded_blocking_pool() -> None:
         assert isinstance(node.client.connection_pool, BlockingConnectionPool)
 
 
+@pytest.mark.parametrize(
+    ("query", "match"),
+    [
+        # Before: built, then every campaign round and renew timed out (the listener's
+        # subscription held the one connection), or renews hung on a nan wait.
+        ("max_connections=1", "at least 2, got 1: the watch's pub/sub subscription"),
+        ("max_connections=0", "at least 2, got 0"),
+        ("max_connections=many", "a whole number, got 'many'"),
+        ("timeout=nan", "positive number of seconds, got 'nan'"),
+        ("timeout=-1", "positive number of seconds, got '-1'"),
+        ("timeout=0", "positive number of seconds, got '0'"),
+        ("timeout=inf", "positive number of seconds, got 'inf'"),
+    ],
+)
+@pytest.mark.parametrize("scheme", ["redis", "redlock"])
+def test_pool_options_no_election_can_work_with_are_refused(
+    scheme: str, query: str, match: str
+) -> None:
+    hosts = "h1,h2,h3" if scheme == "redlock" else "localhost"
+    with pytest.raises(ConfigurationError, match=match):
+        from_url(f"{scheme}://{hosts}/0?{query}")
+
+
+def test_a_callers_client_with_a_one_connection_pool_is_refused() -> None:
+    client = Redis(connection_pool=BlockingConnectionPool(max_connections=1))
+    with pytest.raises(ConfigurationError, match="at least 2, got 1"):
+        RedisProvider(client)
+
+
 def test_the_pattern_escapes_the_prefix_and_messages_name_their_group() -> None:
     assert channel_name("multilock:", "g") == "multilock:{g}:changed"
     assert channel_pattern("multilock:") == "multilock:{*}:changed"

@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_KEY_PREFIX",
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_SOCKET_TIMEOUT",
+    "check_pool_size",
     "Settings",
     "client_from_url",
     "driver_url_options",
@@ -223,6 +224,34 @@ def driver_url_options(scheme: str) -> tuple[str, ...]:
     return tuple(sorted(offered | _POOL_OPTIONS))
 
 
+def check_pool_size(limit: object) -> None:
+    """Refuse a pool of fewer than two connections: a watch's pub/sub subscription keeps
+    one for as long as it listens, and every command would wait for it in vain."""
+    if isinstance(limit, int) and limit < 2:
+        raise ConfigurationError(
+            f"max_connections must be at least 2, got {limit}: the watch's pub/sub "
+            "subscription keeps one connection, and the commands need another"
+        )
+
+
+def _check_pool_option(key: str, value: str) -> None:
+    """Refuse a value of a pool option that redis-py takes but no election can work with."""
+    if key == "max_connections":
+        if not (value.isascii() and value.isdigit()):
+            raise ConfigurationError(f"max_connections must be a whole number, got {value!r}")
+        check_pool_size(int(value))
+    elif key == "timeout":
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigurationError(
+                "timeout (how long a command waits for a free connection) must be a "
+                f"positive number of seconds, got {value!r}"
+            )
+
+
 def split_options(url: str, schemes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
     """Return *url* without our own query options, and those options.
 
@@ -244,6 +273,8 @@ def split_options(url: str, schemes: tuple[str, ...]) -> tuple[str, dict[str, st
     scheme = parts.scheme.lower()
     known = (*OWN_QUERY_KEYS, *driver_url_options(scheme))
     check_url_options((k for k, _ in pairs), known, scheme=scheme)
+    for key, value in pairs:
+        _check_pool_option(key, value)
     own = {k: v for k, v in pairs if k in OWN_QUERY_KEYS}
     rest = urlencode([(k, v) for k, v in pairs if k not in OWN_QUERY_KEYS])
     return urlunsplit((parts.scheme.lower(), parts.netloc, parts.path, rest, "")), own

@@ -34,7 +34,7 @@ from redis.exceptions import (
 from multilock.core.provider import DriverCalls, LeaderInfo, ProviderError, redact_url, scrub
 
 from . import _scripts
-from ._config import Settings, client_from_url, sentinel_client
+from ._config import Settings, check_pool_size, client_from_url, sentinel_client
 
 T = TypeVar("T")
 
@@ -200,6 +200,7 @@ class Node:
         """
         timeout = timeout or settings.connect_timeout + settings.socket_timeout
         if isinstance(target, Redis):
+            check_pool_size(getattr(target.connection_pool, "max_connections", None))
             kwargs = target.connection_pool.connection_kwargs
             password = kwargs.get("password") or ""
             where = (
