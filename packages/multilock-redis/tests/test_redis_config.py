@@ -107,6 +107,7 @@ def test_redis_py_query_options_pass_through() -> None:
         "redis://localhost:6379/0?socket_timeout=inf",
         "redis://localhost:6379/0?key_prefix=has space",
         "redis://localhost:6379/0?node_timeout=1",
+        "redis://localhost:6379/0?protocol=5",  # before: redis-py's own ConnectionError
     ],
 )
 def test_invalid_redis_urls_are_refused(url: str) -> None:

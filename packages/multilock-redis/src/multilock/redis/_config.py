@@ -19,11 +19,13 @@ from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS, Connection, SSL
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from multilock.core.provider import (
     ConfigurationError,
     check_url_options,
     redact_url,
+    scrub,
     split_url,
     to_seconds,
 )
@@ -337,11 +339,11 @@ def client_from_url(url: str, settings: Settings) -> Redis:
             **settings.client_kwargs(),
         )
         pool.connection_class(**pool.connection_kwargs)  # unknown options fail here, not later
-        client: Redis = Redis.from_pool(pool)
-    except (ValueError, TypeError) as exc:
+        return Redis.from_pool(pool)
+    except (ValueError, TypeError, RedisError) as exc:  # RedisError: a bad protocol=
         # redis-py names the offending option, never its value.
-        raise ConfigurationError(f"invalid URL {redact_url(url)}: {exc}") from None
-    return client
+        error = ConfigurationError(f"invalid URL {redact_url(url)}: {scrub(str(exc), url)}")
+    raise error  # outside the handler: redis-py's error is not its context
 
 
 def sentinel_client(
