@@ -165,3 +165,12 @@ def test_split_url_takes_the_secret_s_own_characters():
 
     with pytest.raises(ConfigurationError, match=r"\(percent-encode a key: '\+' as %2B\)$"):
         split_url("s3://a:b/c@h", "S3", "a key: '+' as %2B")
+
+
+@pytest.mark.parametrize("url", ["zk://h:0", "s3://h:0/b", "zk://h1:2181,h2:0"])
+def test_split_url_refuses_port_0(url):
+    from multilock.core.provider import split_url
+
+    # Before (ZooKeeper, S3): built, then "no answer within 5 s" at the first call.
+    with pytest.raises(ConfigurationError, match=r"^invalid X URL: port 0 is no server's port"):
+        split_url(url, "X")

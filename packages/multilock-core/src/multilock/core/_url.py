@@ -111,29 +111,34 @@ def split_url(url: str, name: str, encode: str = "a password") -> SplitResult:
     `ConfigurationError` with neither the URL nor urllib's error in it (nor as its
     context): "invalid *name* URL: its host or port does not parse (percent-encode
     *encode*...)". *encode* names the secret, and may add the characters it often holds
-    (``"a secret key: '/' as %2F, '+' as %2B"``). A host list (``h1:1,h2:2``) is checked
-    host by host; what each host may be is left to the provider.
+    (``"a secret key: '/' as %2F, '+' as %2B"``). A port 0 is refused too. A host list
+    (``h1:1,h2:2``) is checked host by host; what each host may be is left to the provider.
     """
     hint = encode if ":" in encode else f"{encode}: '/' as %2F, '?' as %3F, '#' as %23"
     try:
         parts = urlsplit(url)
         hosts = parts.netloc.rpartition("@")[2]
         if "," in hosts or _unparsed_password(url) is not None:
-            parses = all(_fits(host) for host in hosts.split(","))
+            ports = [_port(host) for host in hosts.split(",")]
         else:
-            parses = parts.port is None or parts.port >= 0  # raises if it is not a number
+            ports = [parts.port]  # raises ValueError if it is not a number up to 65535
     except ValueError:
-        parses = False
-    if not parses:
+        ports = [-1]
+    if -1 in ports:
         raise ConfigurationError(
             f"invalid {name} URL: its host or port does not parse (percent-encode {hint})"
         )
+    if 0 in ports:
+        raise ConfigurationError(f"invalid {name} URL: port 0 is no server's port (1 to 65535)")
     return parts
 
 
-def _fits(host: str) -> bool:
+def _port(host: str) -> int | None:
+    """The port of one ``host[:port]`` of a host list (None: none given; -1: no parse)."""
     match = _HOST_PORT.fullmatch(host)
-    return match is not None and int(match.group(2) or 0) < 65536
+    if match is None or int(match.group(2) or 0) > 65535:
+        return -1
+    return None if match.group(2) is None else int(match.group(2))
 
 
 def redact_url(url: str) -> str:
