@@ -67,12 +67,12 @@ class ConnInfo:
         if scheme:
             # libpq would read a password cut by '/', '?' or '#' as the host or port...
             parts = split_url(text, "PostgreSQL")
-            userinfo, at, hosts = parts.netloc.rpartition("@")
+            userinfo, at, hostports = parts.netloc.rpartition("@")
             if "@" in userinfo:
                 # ... and it ends the user information at the first '@', where urllib (and
                 # the URL of every other store) ends it at the last: libpq would take the
                 # rest of a password holding one for the host, and quote it in its errors.
-                netloc = f"{userinfo.replace('@', '%40')}{at}{hosts}"
+                netloc = f"{userinfo.replace('@', '%40')}{at}{hostports}"
                 text = urlunsplit(parts._replace(netloc=netloc))
             # The constructor's URL goes to libpq as it is: schema and table are keywords.
             _check_query(text, (), also="schema and table only in from_url's URL")
