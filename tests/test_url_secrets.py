@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from multilock.core import ConfigurationError, available_schemes, from_url
+from multilock.core import ConfigurationError, available_schemes, from_url, redact_url
 from multilock.core.testing import error_texts
 
 FIRST, SECOND = "Xq7f", "Zr9k"  # the password's two halves
@@ -58,6 +58,34 @@ def test_the_same_password_percent_encoded_is_taken(scheme: str) -> None:
     provider = from_url(url)  # built, not connected: no server is needed
     assert FIRST not in repr(provider)
     assert SECOND not in repr(provider)
+
+
+#: A URL a scheme whose query may carry a secret, standing for {pw}.
+QUERY_SECRETS = {
+    "redis": "redis://localhost:6379/0?password={pw}",
+    "postgresql": "postgresql://app@localhost/db?password={pw}",
+    "consul": "consul://localhost:8500?token={pw}",
+    "azureblob": "azureblob://account@localhost:10000/leases?sas={pw}",
+    "s3": "s3://AKIAEXAMPLE:x@localhost:9000/bucket?session_token={pw}",
+    "mssql": "mssql://sa@localhost/db?PWD={pw}",
+}
+
+
+@pytest.mark.parametrize("cut", ["&", "#"])
+@pytest.mark.parametrize("scheme", sorted(QUERY_SECRETS))
+def test_a_query_secret_cut_by_an_unencoded_character_is_refused_unquoted(
+    scheme: str, cut: str
+) -> None:
+    # Before: "unknown option 'Zr9k'", "bad query field: 'Zr9k'", or a repr ending in
+    # "&Zr9k=" or "#Zr9k".
+    url = QUERY_SECRETS[scheme].format(pw=f"{FIRST}{cut}{SECOND}")
+    with pytest.raises(ConfigurationError) as caught:
+        from_url(url)
+    texts = error_texts(caught.value)
+    assert all(FIRST not in text and SECOND not in text for text in texts), texts
+    assert "percent-encode" in str(caught.value)
+    assert FIRST not in redact_url(url)
+    assert SECOND not in redact_url(url)
 
 
 @pytest.mark.parametrize("scheme", sorted(URLS))

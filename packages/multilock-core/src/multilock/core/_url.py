@@ -11,7 +11,15 @@ import importlib
 import re
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
-from urllib.parse import SplitResult, parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import (
+    SplitResult,
+    quote,
+    unquote,
+    unquote_plus,
+    urlencode,
+    urlsplit,
+    urlunsplit,
+)
 
 from ._errors import ConfigurationError
 from ._provider import Provider
@@ -74,6 +82,24 @@ def _is_secret(key: str) -> bool:
     return lowered in _SECRET_QUERY_KEYS or re.split(r"[_.\-]", lowered)[-1] in _SECRET_WORDS
 
 
+def _query_items(query: str) -> list[tuple[str, str, bool, bool]]:
+    """``(name, value, secret, has '=')`` of each item of *query*, decoded.
+
+    An item without ``=`` that follows a secret one is taken for the rest of that secret
+    (``?password=ab&cd`` is the password ``ab&cd`` with its ``&`` not encoded): it is
+    secret too, and its name is what would otherwise be shown.
+    """
+    items: list[tuple[str, str, bool, bool]] = []
+    for item in query.split("&"):
+        if not item:
+            continue
+        name, equals, value = item.partition("=")
+        after_secret = bool(items) and items[-1][2]
+        secret = _is_secret(unquote_plus(name)) if equals else after_secret
+        items.append((unquote_plus(name), unquote_plus(value), secret, bool(equals)))
+    return items
+
+
 def _unparsed_password(url: str) -> tuple[str, str, str] | None:
     """``(before, password, after)`` when a password holds an unencoded ``/``, ``?`` or ``#``.
 
@@ -111,7 +137,9 @@ def split_url(url: str, name: str, encode: str = "a password") -> SplitResult:
     `ConfigurationError` with neither the URL nor urllib's error in it (nor as its
     context): "invalid *name* URL: its host or port does not parse (percent-encode
     *encode*...)". *encode* names the secret, and may add the characters it often holds
-    (``"a secret key: '/' as %2F, '+' as %2B"``). A port 0 is refused too. A host list
+    (``"a secret key: '/' as %2F, '+' as %2B"``). A port 0 is refused too, and so is a
+    URL with a ``#`` part (nothing reads one) or a query item without ``=`` right after a
+    secret one (``?password=ab&cd``): both are most likely a secret cut short. A host list
     (``h1:1,h2:2``) is checked host by host; what each host may be is left to the provider.
     """
     hint = encode if ":" in encode else f"{encode}: '/' as %2F, '?' as %3F, '#' as %23"
@@ -130,6 +158,13 @@ def split_url(url: str, name: str, encode: str = "a password") -> SplitResult:
         )
     if 0 in ports:
         raise ConfigurationError(f"invalid {name} URL: port 0 is no server's port (1 to 65535)")
+    if parts.fragment or any(s and not e for _, _, s, e in _query_items(parts.query)):
+        # What follows the '#', or a query item with no '=' right after a password, token
+        # or key, is most likely the rest of that secret: say so without quoting it.
+        raise ConfigurationError(
+            f"invalid {name} URL: a '#' or '&' cuts a password, token or key short "
+            "(percent-encode them: '#' as %23, '&' as %26)"
+        )
     return parts
 
 
@@ -156,14 +191,22 @@ def redact_url(url: str) -> str:
             netloc = f"{user}{sep}{_REDACTED if sep else ''}@{hostport}"
         query = parts.query
         if query:
-            pairs = parse_qsl(query, keep_blank_values=True)
             query = urlencode(
-                [(k, _REDACTED if _is_secret(k) else v) for k, v in pairs],
+                [
+                    (name, _REDACTED)
+                    if secret and equals
+                    else (_REDACTED, "")
+                    if secret
+                    else (name, value)
+                    for name, value, secret, equals in _query_items(query)
+                ],
                 safe="*",
             )
-        if netloc == parts.netloc and query == parts.query:
+        # Nothing reads a fragment; it may be the rest of a secret with a '#' not encoded.
+        fragment = _REDACTED if parts.fragment else ""
+        if netloc == parts.netloc and query == parts.query and fragment == parts.fragment:
             return url
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
     except ValueError:
         return "<unparseable URL>"
 
@@ -197,9 +240,20 @@ def secrets_of(url: str) -> list[str]:
         parts = urlsplit(url)
         if parts.password:
             found += [parts.password, unquote(parts.password), quote(parts.password)]
-        for k, v in parse_qsl(parts.query, keep_blank_values=True):
-            if _is_secret(k) and v:
-                found += [v, quote(v, safe="")]
+        tail: list[str] = []  # the parts of one secret that '&'s cut
+        for name, value, secret, equals in [*_query_items(parts.query), ("", "", False, True)]:
+            if secret and not equals:
+                tail.append(name)
+                found += [name, quote(name, safe="")]
+                continue
+            if len(tail) > 1:
+                whole = "&".join(tail)
+                found += [whole, quote(whole, safe="")]
+            tail = [value] if secret and value else []
+            if secret and value:
+                found += [value, quote(value, safe="")]
+        if parts.fragment:  # the rest of a secret with its '#' not encoded, maybe
+            found += [parts.fragment, unquote(parts.fragment)]
     except ValueError:
         pass
     return sorted({s for s in found if s}, key=len, reverse=True)
