@@ -8,9 +8,18 @@ parser's error, a driver's "cannot resolve host" or a host-list check would quot
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
-from multilock.core import ConfigurationError, available_schemes, from_url, redact_url
+from multilock.core import (
+    ConfigurationError,
+    LeaderElection,
+    available_schemes,
+    from_url,
+    redact_url,
+)
 from multilock.core.testing import error_texts
 
 FIRST, SECOND = "Xq7f", "Zr9k"  # the password's two halves
@@ -87,3 +96,41 @@ def test_an_at_sign_in_a_password_needs_no_encoding(scheme: str) -> None:
     provider = from_url(URLS[scheme].format(pw=f"{FIRST}@{SECOND}"))
     assert FIRST not in repr(provider)
     assert SECOND not in repr(provider)
+
+
+#: The lease each store can hold (the others take 2 s).
+_LEASES = {"azureblob": 15.0, "consul": 10.0, "zookeeper": 10.0, "zk": 10.0}
+
+
+@pytest.mark.parametrize("scheme", sorted(URLS))
+async def test_no_log_record_holds_the_password(
+    scheme: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Every logger at DEBUG, the drivers' too, while an election fails to reach the
+    # store (port 1 on the loopback: nothing listens) and retries.
+    hosts = iter(range(1, 10))  # each host of a list its own loopback address
+    url = re.sub(
+        r"(?<=[@,])(localhost|[a-z]+\d)(:\d+)?",
+        lambda _: f"127.0.0.{next(hosts)}:1",
+        URLS[scheme],
+    )
+    quick = "?connect_timeout=0.5" if scheme in ("zookeeper", "zk") else ""  # default 10 s
+    provider = from_url(url.format(pw=f"{FIRST}%2F{SECOND}") + quick)
+    caplog.set_level(logging.DEBUG)
+    election = LeaderElection(
+        provider, group="g", lease_duration=_LEASES.get(scheme, 2.0), retry_interval=0.2
+    )
+    try:
+        await election.start()
+        with pytest.raises(TimeoutError):
+            await election.wait_until_leader(timeout=1.5)
+    finally:
+        await election.stop()
+        await provider.aclose()
+    records = [
+        record.getMessage() + (caplog.handler.format(record) if record.exc_info else "")
+        for record in caplog.records
+    ]
+    failures = [r for r in caplog.records if r.name.startswith("multilock") and r.levelno >= 30]
+    assert failures, records  # the store's failures were logged, with what they said
+    assert all(FIRST not in text and SECOND not in text for text in records)
