@@ -174,3 +174,17 @@ def test_split_url_refuses_port_0(url):
     # Before (ZooKeeper, S3): built, then "no answer within 5 s" at the first call.
     with pytest.raises(ConfigurationError, match=r"^invalid X URL: port 0 is no server's port"):
         split_url(url, "X")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://h/0?password=Xq7f&Zr9k&db=1", "redis://h/0?password=***&***=&db=1"),
+        ("redis://h/0?token=Xq7f#Zr9k", "redis://h/0?token=***#***"),
+        ("redis://h/0?db=1#Zr9k", "redis://h/0?db=1#***"),
+    ],
+)
+def test_a_query_secret_cut_short_is_redacted_and_scrubbed_whole(url, shown):
+    assert redact_url(url) == shown
+    for text in ("unknown option 'Zr9k'", "bad query field: 'Zr9k'", "auth Xq7f&Zr9k"):
+        assert "Zr9k" not in scrub(text, url)

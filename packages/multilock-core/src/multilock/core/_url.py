@@ -176,6 +176,13 @@ def _port(host: str) -> int | None:
     return None if match.group(2) is None else int(match.group(2))
 
 
+def _redacted(name: str, value: str, secret: bool, equals: bool) -> tuple[str, str]:
+    """One query item as `redact_url` shows it: a secret's value, or a cut secret's rest."""
+    if not secret:
+        return name, value
+    return (name, _REDACTED) if equals else (_REDACTED, "")
+
+
 def redact_url(url: str) -> str:
     """Return *url* with its password and secret query values replaced by ``***``."""
     try:
@@ -191,17 +198,8 @@ def redact_url(url: str) -> str:
             netloc = f"{user}{sep}{_REDACTED if sep else ''}@{hostport}"
         query = parts.query
         if query:
-            query = urlencode(
-                [
-                    (name, _REDACTED)
-                    if secret and equals
-                    else (_REDACTED, "")
-                    if secret
-                    else (name, value)
-                    for name, value, secret, equals in _query_items(query)
-                ],
-                safe="*",
-            )
+            items = _query_items(query)
+            query = urlencode([_redacted(*item) for item in items], safe="*")
         # Nothing reads a fragment; it may be the rest of a secret with a '#' not encoded.
         fragment = _REDACTED if parts.fragment else ""
         if netloc == parts.netloc and query == parts.query and fragment == parts.fragment:
@@ -240,18 +238,17 @@ def secrets_of(url: str) -> list[str]:
         parts = urlsplit(url)
         if parts.password:
             found += [parts.password, unquote(parts.password), quote(parts.password)]
-        tail: list[str] = []  # the parts of one secret that '&'s cut
-        for name, value, secret, equals in [*_query_items(parts.query), ("", "", False, True)]:
-            if secret and not equals:
-                tail.append(name)
-                found += [name, quote(name, safe="")]
+        wholes: list[str] = []  # each secret of the query, rejoined where '&'s cut it
+        for name, value, secret, equals in _query_items(parts.query):
+            if not secret:
                 continue
-            if len(tail) > 1:
-                whole = "&".join(tail)
-                found += [whole, quote(whole, safe="")]
-            tail = [value] if secret and value else []
-            if secret and value:
-                found += [value, quote(value, safe="")]
+            found.append(value if equals else name)  # a message may quote one piece
+            if equals:
+                wholes.append(value)
+            else:
+                wholes[-1] += f"&{name}"
+        for whole in wholes:
+            found += [whole, quote(whole, safe="")]
         if parts.fragment:  # the rest of a secret with its '#' not encoded, maybe
             found += [parts.fragment, unquote(parts.fragment)]
     except ValueError:

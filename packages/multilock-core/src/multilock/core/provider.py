@@ -18,8 +18,9 @@ A backend imports only from here (and `multilock.core`'s public names), never fr
 - `to_seconds`, `validate_name`, `validate_metadata`: for a provider's own settings
   (URL options, constructor arguments); `validate_identifier` for SQL schema and table
   names.
-- `split_url`: split a provider's URL, refusing (without quoting it) one whose host or
-  port does not parse, as when a password holds an unencoded ``/``, ``?`` or ``#``.
+- `split_url`: split a provider's URL, refusing (without quoting it) one that holds a
+  secret cut short: a host or port that does not parse (a password with an unencoded
+  ``/``, ``?`` or ``#``), a ``#`` part, a query secret cut by an ``&``; or a port 0.
 - `redact_url` and `scrub`: a URL fit for messages, and a message without the URL's
   secrets.
 - `call_until`: await a coroutine until a deadline on the loop's clock, without waiting
