@@ -611,6 +611,11 @@ async def test_watches_of_many_groups_share_one_connection_per_server(
             watches.append(watcher.watch(g))
         async with asyncio.timeout(5.0):  # every watch subscribed and made its first read
             await asyncio.gather(*(anext(w) for w in watches))
+        # Redlock's watches are ready once a quorum of nodes is subscribed: the last node
+        # may still be connecting (the CI run of this test once saw it so, under load).
+        async with asyncio.timeout(5.0):
+            while not all([(await connections(a, name))[1] for a in admins]):
+                await asyncio.sleep(0.01)
         for admin in admins:
             total, subscribed = await connections(admin, name)
             assert subscribed == 1, f"{subscribed} subscribed connections for 55 watches"
@@ -638,6 +643,43 @@ async def test_watches_of_many_groups_share_one_connection_per_server(
         await other.aclose()
         for admin in admins:
             await admin.aclose()
+
+
+@pytest.mark.parametrize("kind", ["redis", "redlock"])
+async def test_a_watch_closed_while_it_subscribes_stops_its_listener_at_once(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Close a watch after 0, 1, 2... turns of the loop, through its connect and subscribe.
+
+    Before: cancelled just as redis-py's subscribe call finished, the listener went on
+    waiting for messages (Python 3.11's ``wait_for`` swallowed the cancellation), so the
+    provider's ``aclose`` waited 5 s for it and left it running with its connection.
+    """
+    servers: list[BaseServer] = (
+        [request.getfixturevalue("redis_server")]
+        if kind == "redis"
+        else request.getfixturevalue("redis_servers")
+    )
+    slow: list[int] = []
+    for turns in range(40):
+        provider = (
+            RedisProvider(servers[0].url)
+            if kind == "redis"
+            else RedlockProvider([s.url for s in servers])
+        )
+        watch = provider.watch(group())
+        first = asyncio.ensure_future(anext(watch))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        try:
+            async with asyncio.timeout(2.0):
+                await watch.aclose()  # type: ignore[attr-defined]
+                await provider.aclose()
+        except TimeoutError:
+            slow.append(turns)
+    assert not slow, f"closing after these loop turns waited for the listener: {slow}"
 
 
 async def test_many_concurrent_calls_share_a_bounded_pool(redis_server: BaseServer) -> None:
