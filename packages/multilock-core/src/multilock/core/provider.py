@@ -23,11 +23,13 @@ A backend imports only from here (and `multilock.core`'s public names), never fr
   ``/``, ``?`` or ``#``), a ``#`` part, a query secret cut by an ``&``; or a port 0.
 - `redact_url` and `scrub`: a URL fit for messages, and a message without the URL's
   secrets.
+- `raise_if_cancelled`: honour a cancellation that a driver call swallowed (Python
+  3.11's ``wait_for`` can return a result with the cancellation still requested).
 - `call_until`: await a coroutine until a deadline on the loop's clock, without waiting
   for a slow cancellation.
 """
 
-from ._calls import call_until
+from ._calls import call_until, raise_if_cancelled
 from ._driver import DriverCalls
 from ._errors import ConfigurationError, ProviderError
 from ._names import to_seconds, validate_identifier, validate_metadata, validate_name
@@ -50,6 +52,7 @@ __all__ = [
     "call_until",
     "check_url_options",
     "poll_watch",
+    "raise_if_cancelled",
     "redact_url",
     "scrub",
     "split_url",

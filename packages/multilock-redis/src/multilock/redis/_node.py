@@ -31,7 +31,14 @@ from redis.exceptions import (
     RedisError,
 )
 
-from multilock.core.provider import DriverCalls, LeaderInfo, ProviderError, redact_url, scrub
+from multilock.core.provider import (
+    DriverCalls,
+    LeaderInfo,
+    ProviderError,
+    raise_if_cancelled,
+    redact_url,
+    scrub,
+)
 
 from . import _scripts
 from ._config import Settings, check_pool_size, client_from_url, sentinel_client
@@ -54,20 +61,6 @@ def _text(value: Any) -> str:
 
 def _time(microseconds: Any) -> datetime:
     return _EPOCH + timedelta(microseconds=int(_text(microseconds)))
-
-
-def _honour_cancellation() -> None:
-    """Raise `CancelledError` if this task was cancelled and a driver call swallowed it.
-
-    On Python 3.11 redis-py's ``asyncio.wait_for`` returns a call's result when the call
-    finishes just as the cancellation lands, and the task goes on with the cancellation
-    still requested: a listener cancelled while it subscribed would then wait for
-    messages for ever, holding its connection (its provider's ``aclose`` waited 5 s for
-    it, then left it running).
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 def encode_metadata(metadata: Mapping[str, str]) -> str:
@@ -440,7 +433,7 @@ class Node:
             pattern = _scripts.channel_pattern(self.prefix)
             await self.calls.call("subscribe", pubsub.psubscribe(pattern))
             while True:
-                _honour_cancellation()
+                raise_if_cancelled()  # else, cancelled as it subscribed, it waits for ever
                 failure: BaseException | None = None
                 try:
                     message = await pubsub.get_message(timeout=None)
