@@ -236,7 +236,7 @@ async def test_a_create_whose_reply_was_lost_is_recognised(
         # repeated acquire answers None (get_leader finds the term), so let it land first.
         await wait_for("the record stamped", lambda: node.stored is not None, 5)
         # The provider forgets what the create answered, as if the reply had been lost.
-        node.name = node.seq = None
+        node.name = None
         again = await p.try_acquire(group, "p1", 8.0, {})
         assert again is not None
         assert again.token == info.token

@@ -31,7 +31,6 @@ import attrs
 from kazoo.client import KazooClient  # type: ignore[import-untyped]
 from kazoo.exceptions import KazooException  # type: ignore[import-untyped]
 from kazoo.handlers.threading import KazooTimeoutError  # type: ignore[import-untyped]
-from kazoo.protocol.states import KazooState  # type: ignore[import-untyped]
 from kazoo.retry import KazooRetry  # type: ignore[import-untyped]
 
 from multilock.core import ConfigurationError, LeaderInfo, ProviderError
@@ -50,7 +49,6 @@ from ._watch import RAISE, Handler, Views, future, hop, ordered, token_of
 __all__ = ["ZooKeeperProvider"]
 
 FAILURES = (KazooException, KazooTimeoutError, OSError, json.JSONDecodeError, KeyError)
-Key = tuple[str, str]  # (group, participant id)
 _SEGMENT = re.compile(r"[A-Za-z0-9_.\-:@+=,]{1,200}")  # no '/', printable ASCII
 _HOST = re.compile(r"[A-Za-z0-9_.\-\[\]:]+")
 
@@ -100,9 +98,7 @@ class Node:
     pid: str
     prefix: str
     session: int | None  # the session that owns (or will own) it: it goes with it
-    name: str | None = None
-    seq: int | None = None
-    sent: bool = False  # a create was sent: if its reply was lost, find it by prefix
+    name: str | None = None  # None until a create's reply (or a listing) names it
     timer: asyncio.TimerHandle | None = None  # deletes it unless refreshed
     acquired_at: datetime | None = None
     stored: Mapping[str, str] | None = None  # the metadata of a record dating the term
@@ -125,7 +121,7 @@ class ZooKeeperProvider(Provider):
         self._views = Views(s.root, self._calls)
         self._listener: Any = None  # wakes every watch on a connection state change
         self._connecting: asyncio.Task[None] | None = None
-        self._nodes: dict[Key, Node] = {}
+        self._nodes: dict[tuple[str, str], Node] = {}  # by (group, participant id)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -136,7 +132,7 @@ class ZooKeeperProvider(Provider):
         if parts.scheme not in ("zookeeper", "zk"):
             raise ConfigurationError(f"not a ZooKeeper URL: {shown}")
         userinfo, _, hosts = parts.netloc.rpartition("@")
-        if not hosts or not all(h and _HOST.fullmatch(h) for h in hosts.split(",")):
+        if not all(_HOST.fullmatch(host) for host in hosts.split(",")):
             raise ConfigurationError(f"a ZooKeeper URL names host[:port],...: {shown}")
         if chroot := parts.path.rstrip("/"):
             validate_root(chroot, "chroot")
@@ -185,15 +181,14 @@ class ZooKeeperProvider(Provider):
         owner = None if self._client is None else self._client.client_id
         return None if owner is None else int(owner[0])
 
-    async def _connect(self) -> Any:
-        """The started client; the first call connects (blocking: in a worker thread)."""
+    async def _connect(self) -> None:
+        """Start the client on the first call (blocking: in a worker thread)."""
         if self._closed:
             raise ProviderError(f"{self!r} is closed")
         task = self._connecting
         if task is None or (task.done() and (task.cancelled() or task.exception())):
             task = self._connecting = asyncio.ensure_future(self._start())
         await asyncio.shield(task)
-        return self._client
 
     async def _start(self) -> None:
         client, timeout = self._client, self._settings.connect_timeout
@@ -229,14 +224,11 @@ class ZooKeeperProvider(Provider):
         # Queued behind the leader, its group watched here: its participant follows (an
         # idle follower refreshes nothing); once it leads, it must renew. Disconnected, a
         # node in line when last seen waits for the session to be back: the view decides.
-        if self._queued(node, stale=self._client.state != KazooState.CONNECTED):
+        line = self._views.known(node.group, stale=not self._views.connected) or []
+        if node.name in [name for _, name in line[1:]]:
             self._arm(node, lease)
         else:
             self._forget(node)
-
-    def _queued(self, node: Node, stale: bool = False) -> bool:
-        line = self._views.known(node.group, stale)  # no read needed
-        return line is not None and node.name in [name for _, name in line[1:]]
 
     def _drop(self, node: Node) -> None:
         if self._nodes.get((node.group, node.pid)) is node:
@@ -288,23 +280,20 @@ class ZooKeeperProvider(Provider):
     ) -> LeaderInfo | None:
         await self._connect()
         node = self._nodes.get((group, pid))
+        sent = node is not None  # a create was sent: if its reply was lost, find it by prefix
         if node is None:
             node = Node(group, pid, f"{uuid.uuid4().hex}-{pid}-", self._session())
             self._nodes[group, pid] = node
         self._arm(node, lease)  # deletes it even if the create below is left in doubt
-        if self._queued(node):
-            return None  # queued behind the leader
-        line = self._views.known(group)
-        children = [node.name] if line and line[0][1] == node.name else []
-        if node.sent and not children:  # made before, or a create's reply was lost
-            children = await self._ls(group, [])
-            mine = sorted(c for c in children if c.startswith(node.prefix))
-            node.name, node.seq = (mine[0], token_of(mine[0])) if mine else (None, None)
-        if node.name is None:
-            node.sent, node.acquired_at, node.stored = True, None, None
-            made.append(node)
-            children = await self._create(node, meta)
-        line = ordered(children)
+        line = self._views.known(group) or []  # a current view needs no read
+        if node.name not in [name for _, name in line]:
+            children = await self._ls(group, []) if sent else []
+            node.name = min((c for c in children if c.startswith(node.prefix)), default=None)
+            if node.name is None:
+                node.acquired_at = node.stored = None
+                made.append(node)
+                children = await self._create(node, meta)
+            line = ordered(children)
         if not line or line[0][1] != node.name:
             return None  # queued behind the leader
         if node.acquired_at is None:  # its term starts: stamp the record, out of the way
@@ -325,8 +314,7 @@ class ZooKeeperProvider(Provider):
         )
         made, listing = future(creating), self._ls(node.group, None)
         path, stat = await made
-        node.name = path.rpartition("/")[2]
-        node.seq, node.session = token_of(node.name), stat.ephemeralOwner
+        node.name, node.session = path.rpartition("/")[2], stat.ephemeralOwner
         children = await listing  # None: the group node came with the create (makepath)
         return await self._ls(node.group) if children is None else children
 
@@ -344,30 +332,30 @@ class ZooKeeperProvider(Provider):
         renewing = self._renew((group, participant_id), token, lease, metadata)
         return bool(await self._calls.call("renew", renewing))
 
-    async def _renew(self, key: Key, token: int, lease: float, meta: Mapping[str, str]) -> bool:
+    async def _renew(
+        self, key: tuple[str, str], token: int, lease: float, meta: Mapping[str, str]
+    ) -> bool:
         node = self._nodes.get(key)
-        if node is None or node.seq != token or node.name is None:
+        if node is None or node.name is None or token_of(node.name) != token:
             return False
-        client = await self._connect()
-        if client.state != KazooState.CONNECTED:
-            self._forget(node)  # deleted once reconnected, if the session lives
-            return False
-        got, listing = self._read(node.group, node.name), self._ls(node.group, [])  # pipelined
-        reply, line, owner = await got, ordered(await listing), client.client_id
-        if self._nodes.get(key) is not node:
-            return False  # expired, released or forgotten meanwhile
-        mine = reply is not None and owner is not None and reply[1].ephemeralOwner == owner[0]
-        if not mine or not line or line[0][0] != token:
-            self._forget(node)
-            return False
-        node.acquired_at = node.acquired_at or datetime.now(UTC)
-        await self._write(node, meta)
-        self._arm(node, lease)
-        return True
+        await self._connect()
+        if self._views.connected:  # else SUSPENDED: forgotten, deleted once reconnected
+            got, listing = self._read(node.group, node.name), self._ls(node.group, [])
+            reply, line = await got, ordered(await listing)  # one round trip, pipelined
+            if self._nodes.get(key) is not node:
+                return False  # expired, released or forgotten meanwhile
+            mine = reply is not None and reply[1].ephemeralOwner == self._session()
+            if mine and line and line[0][0] == token:
+                node.acquired_at = node.acquired_at or datetime.now(UTC)
+                await self._write(node, meta)
+                self._arm(node, lease)
+                return True
+        self._forget(node)
+        return False
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
         node = self._nodes.get((group, participant_id))
-        if node is not None and node.seq == token:
+        if node is not None and node.name is not None and token_of(node.name) == token:
             self._drop(node)
             await self._calls.call("release", self._remove(node))
 
@@ -403,8 +391,7 @@ class ZooKeeperProvider(Provider):
         nodes = list(self._nodes.values())
         for node in nodes:
             self._drop(node)
-        client = self._client
-        if client is not None and client.state == KazooState.CONNECTED:
+        if self._views.connected:
             removals = (self._calls.call("aclose", self._remove(node)) for node in nodes)
             await asyncio.gather(*removals, return_exceptions=True)
         for task in self._tasks:
@@ -412,8 +399,8 @@ class ZooKeeperProvider(Provider):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._calls.closed = True
         self._views.state_changed()
-        if client is not None:
-            client.remove_listener(self._listener)
+        if self._client is not None:
+            self._client.remove_listener(self._listener)
             if isinstance(self._hosts, str):
-                await asyncio.to_thread(client.stop)
-                await asyncio.to_thread(client.close)
+                await asyncio.to_thread(self._client.stop)
+                await asyncio.to_thread(self._client.close)

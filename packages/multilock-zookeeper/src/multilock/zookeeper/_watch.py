@@ -51,13 +51,10 @@ def hop(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) ->
 
 
 class _Inline(queue.Queue[Any]):
-    """kazoo's callback queues, run as they are filled: each callback runs on the thread
-    that queues it (kazoo's connection thread), only the stop marker is queued.
-
-    Every callback of our own client only hops to the loop (`hop`), so handing it to
-    another of kazoo's threads first would add a thread wake-up to every reply and every
-    watch event, a handoff's critical path.
-    """
+    """kazoo's callback queues, run as filled: a callback runs on the thread that queues it
+    (kazoo's connection thread); only the stop marker is queued. Our client's callbacks only
+    hop to the loop (`hop`): another thread first would add a wake-up to every reply and
+    watch event, on a handoff's critical path."""
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         if not callable(item):
@@ -116,14 +113,15 @@ class Views:
         self._views: dict[str, View] = {}
         self.client: Any = None  # the provider's, once connected
 
-    def _up(self) -> bool:
-        return bool(self.client.state == KazooState.CONNECTED)
+    @property
+    def connected(self) -> bool:
+        return self.client is not None and bool(self.client.state == KazooState.CONNECTED)
 
     def known(self, group: str, stale: bool = False) -> list[tuple[int, str]] | None:
         """The candidates of a current view of *group*; None: read the store. With
         *stale*, those of the last listing, current or not (none if never listed)."""
         view = self._views.get(f"{self._root}/{group}")
-        if view is None or not (stale or (view.current and self._up())):
+        if view is None or not (stale or (view.current and self.connected)):
             return None
         return view.line
 
@@ -135,8 +133,7 @@ class Views:
         """List *view*'s group with a children watch; with *notify*, wake on news."""
         view.generation += 1
         view.pending, view.armed = True, False
-        sent = self.client.get_children_async(view.path, view.on_event)
-        reply = future(sent, None)
+        reply = future(self.client.get_children_async(view.path, view.on_event), None)
         reply.add_done_callback(functools.partial(self._listed, view, view.generation, notify))
         return reply
 
@@ -159,8 +156,7 @@ class Views:
         """Read the leader's record with a data watch: wake once its term is stamped."""
         head = view.line[0][1] if view.line else None
         if head is not None and head != view.head:
-            sent = self.client.get_async(f"{view.path}/{head}", view.on_event)
-            reply = future(sent, None)
+            reply = future(self.client.get_async(f"{view.path}/{head}", view.on_event), None)
             reply.add_done_callback(functools.partial(self._head_read, view, head))
         view.head = head
 
@@ -202,15 +198,14 @@ class Views:
         view = self._views.get(path)
         if view is None:
             view = self._views[path] = View(path)
-            loop = asyncio.get_running_loop()
-            view.on_event = functools.partial(hop, loop, self._changed, view)
+            view.on_event = functools.partial(hop, asyncio.get_running_loop(), self._changed, view)
         event = asyncio.Event()
         view.events.add(event)
         if view.armed:
             event.set()  # watched already: yield at once
         try:
             while not self._calls.closed:
-                if not view.armed and not view.pending and self._up():
+                if not view.armed and not view.pending and self.connected:
                     await self._start(view)
                 await event.wait()
                 event.clear()
@@ -225,6 +220,5 @@ class Views:
     async def _start(self, view: View) -> None:
         """List and watch the group, first making its node if it is not there yet."""
         if await self._calls.call("watch", self._list(view, False)) is None:
-            made = future(self.client.ensure_path_async(view.path))
-            await self._calls.call("watch", made)
+            await self._calls.call("watch", future(self.client.ensure_path_async(view.path)))
             await self._calls.call("watch", self._list(view, False))
