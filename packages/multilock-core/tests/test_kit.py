@@ -16,6 +16,7 @@ from multilock.core.provider import (
     Notifications,
     Observed,
     ProviderError,
+    call_until,
     poll_watch,
     validate_identifier,
 )
@@ -451,3 +452,57 @@ def test_notifications_close_is_bounded_when_the_listener_ignores_its_cancellati
     waited = clock.run(main())
     assert 4.9 <= waited <= 5.1, waited
     assert "did not stop within 5 s" in caplog.text
+
+
+async def test_call_until_resumes_its_caller_one_loop_turn_after_the_call_ends() -> None:
+    # Every loop turn between a store's reply and the election's next step waits behind
+    # whatever else is ready (a handoff's critical path): asyncio.shield took two.
+    loop = asyncio.get_running_loop()
+    ticks = 0
+    ticker: asyncio.Handle | None = None
+
+    def tick() -> None:
+        nonlocal ticks, ticker
+        ticks += 1
+        ticker = loop.call_soon(tick)
+
+    async def call() -> str:
+        await asyncio.sleep(0)
+        nonlocal ticker
+        ticker = loop.call_soon(tick)  # counts the turns from here on
+        return "answer"
+
+    try:
+        assert await call_until(call(), loop.time() + 5) == "answer"
+        assert ticks == 1
+    finally:
+        assert ticker is not None
+        ticker.cancel()
+
+
+async def test_a_call_whose_task_is_cancelled_before_it_starts_is_closed_and_fails() -> None:
+    # A loop shutting down cancels every task, some before their first step.
+    started = False
+
+    async def call() -> None:
+        nonlocal started
+        started = True
+
+    before = asyncio.all_tasks()
+    waiter = asyncio.ensure_future(call_until(call(), asyncio.get_running_loop().time() + 5))
+    await asyncio.sleep(0)  # call_until has made the call's task, which has not run yet
+    (relay,) = asyncio.all_tasks() - before - {waiter}
+    relay.cancel()
+    with pytest.raises(ProviderError, match="cancelled before it started"):
+        await waiter
+    assert not started
+    # and no "coroutine ... was never awaited" (pytest turns that warning into an error)
+
+
+async def test_a_call_the_driver_cancels_is_a_provider_error_and_the_caller_goes_on() -> None:
+    async def call() -> None:
+        raise asyncio.CancelledError  # gRPC cancels a call on a channel being closed
+
+    with pytest.raises(ProviderError, match="was cancelled by the driver"):
+        await call_until(call(), asyncio.get_running_loop().time() + 5)
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]

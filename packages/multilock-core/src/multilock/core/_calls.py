@@ -26,7 +26,7 @@ log = logging.getLogger("multilock.core._election")
 T = TypeVar("T")
 
 #: Provider calls that timed out and are still settling their cancellation.
-_SETTLING: set[asyncio.Task[Any]] = set()
+_SETTLING: set[asyncio.Future[Any]] = set()
 
 
 async def call_until(call: Coroutine[Any, Any, T] | asyncio.Future[T], deadline: float) -> T:
@@ -37,36 +37,84 @@ async def call_until(call: Coroutine[Any, Any, T] | asyncio.Future[T], deadline:
     a driver may take seconds to settle a cancellation (psycopg cancels the query on the
     server, a worker thread runs to its socket timeout), and the election must step down,
     campaign again or stop meanwhile. The call settles in the background.
+
+    A coroutine runs in a task of its own that hands its outcome to a plain future, which
+    is all the caller awaits: cancelling the caller cancels that future, never the call,
+    and the caller resumes one loop turn after the call ends (``asyncio.shield`` takes two,
+    and every turn on a busy loop waits behind whatever else is ready, a handoff's
+    critical path).
     """
-    task = asyncio.ensure_future(call)
+    loop = asyncio.get_running_loop()
+    seconds = deadline - loop.time()
+    reply: asyncio.Future[T]
+    if isinstance(call, Coroutine):
+        name = getattr(call, "__qualname__", "the provider call")
+        reply = loop.create_future()
+        task: asyncio.Future[Any] = loop.create_task(_relay(call, reply, name))
+        task.add_done_callback(functools.partial(_relayed, call, reply, name))
+    else:
+        task = asyncio.ensure_future(call)
+        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+        name = getattr(coro, "__qualname__", "the provider call")
+        reply = asyncio.shield(task)
     window = asyncio.timeout_at(deadline)
-    seconds = deadline - asyncio.get_running_loop().time()
     try:
         async with window:
-            return await asyncio.shield(task)
+            return await reply
     except TimeoutError:
         if not window.expired():
             raise  # the call's own TimeoutError
-        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
-        name = getattr(coro, "__qualname__", "the provider call")
     except asyncio.CancelledError:
         current = asyncio.current_task()
         if not task.cancelled() or (current is not None and current.cancelling()):
             raise  # the caller was cancelled: that goes on
-        # The driver cancelled its own call (gRPC does, on a channel being closed): a
-        # failed call, not the end of the caller's loop.
-        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
-        name = getattr(coro, "__qualname__", "the provider call")
+        # A shielded future cancelled by its driver (see `_relay`).
         raise ProviderError(f"{name} was cancelled by the driver") from None
     finally:
         if not task.done():
+            reply.cancel()
             task.cancel()
             _SETTLING.add(task)
             task.add_done_callback(_settled)
     raise TimeoutError(f"{name} did not finish within {max(seconds, 0):.3g} s")
 
 
-def _settled(task: asyncio.Task[Any]) -> None:
+async def _relay(call: Coroutine[Any, Any, T], reply: asyncio.Future[T], name: str) -> None:
+    """Run *call* and hand its outcome to *reply* (unless the caller has left)."""
+    try:
+        result = await call
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # call_until cancelled it: the caller has left
+        # The driver cancelled its own call (gRPC does, on a channel being closed): a
+        # failed call, not the end of the caller's loop.
+        failure: BaseException = ProviderError(f"{name} was cancelled by the driver")
+    except BaseException as exc:
+        failure = exc
+    else:
+        if not reply.done():
+            reply.set_result(result)
+        return
+    if not reply.done():
+        reply.set_exception(failure)
+    elif not isinstance(failure, asyncio.CancelledError):
+        log.debug("a timed-out provider call ended with %r", failure)
+    if not isinstance(failure, Exception):
+        raise failure  # KeyboardInterrupt, SystemExit: not the caller's alone
+
+
+def _relayed(
+    call: Coroutine[Any, Any, Any], reply: asyncio.Future[Any], name: str, task: asyncio.Task[Any]
+) -> None:
+    """The relay ended. Cancelled before its first step (a loop shutting down cancels every
+    task), it never awaited the call: close the call, and fail a caller still waiting."""
+    call.close()
+    if not reply.done():
+        reply.set_exception(ProviderError(f"{name} was cancelled before it started"))
+
+
+def _settled(task: asyncio.Future[Any]) -> None:
     _SETTLING.discard(task)
     if not task.cancelled() and task.exception() is not None:
         log.debug("a timed-out provider call ended with %r", task.exception())
