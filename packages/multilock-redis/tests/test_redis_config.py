@@ -59,7 +59,10 @@ def test_redis_url_gives_host_port_db_password_and_timeouts() -> None:
     kwargs = kwargs_of(p)
     assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("example.org", 6390, 3)
     assert (kwargs["username"], kwargs["password"]) == ("user", RAW_SECRET)
-    assert kwargs["socket_timeout"] == 0.5
+    # Calls are bounded by the provider (connect + socket timeouts), not by redis-py's
+    # socket timeout, which would send every command through asyncio.wait_for.
+    assert kwargs["socket_timeout"] is None
+    assert p._node.calls.timeout == 1.0
     assert kwargs["socket_connect_timeout"] == 0.5  # defaults to socket_timeout
     retry = kwargs["retry"]
     assert retry.get_retries() == 1  # type: ignore[attr-defined]
@@ -80,10 +83,10 @@ def test_keywords_win_over_the_query_string() -> None:
     url = "redis://localhost/0?key_prefix=fromurl:&socket_timeout=3&socket_connect_timeout=4"
     p = RedisProvider(url)
     assert p.key_prefix == "fromurl:"
-    assert (kwargs_of(p)["socket_timeout"], kwargs_of(p)["socket_connect_timeout"]) == (3.0, 4.0)
+    assert (p._node.calls.timeout, kwargs_of(p)["socket_connect_timeout"]) == (7.0, 4.0)
     p = RedisProvider(url, key_prefix="kw:", socket_timeout=timedelta(milliseconds=250))
     assert p.key_prefix == "kw:"
-    assert kwargs_of(p)["socket_timeout"] == 0.25
+    assert p._node.calls.timeout == 4.25
     assert "key_prefix" not in repr(kwargs_of(p))  # our options never reach redis-py
 
 

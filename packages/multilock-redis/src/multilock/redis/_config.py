@@ -184,9 +184,16 @@ class Settings:
         return cls(**given)
 
     def client_kwargs(self) -> dict[str, Any]:
-        """What every client this package builds gets: short timeouts, bounded retries."""
+        """What every data client this package builds gets: short timeouts, bounded retries.
+
+        No socket timeout of redis-py's own: every call is bounded by the provider's
+        (``socket_connect_timeout + socket_timeout``, in `DriverCalls`), and redis-py sends
+        each command of a client with a socket timeout through ``asyncio.wait_for``, one
+        task and one loop turn more per command, on a handoff's critical path (a release
+        and an acquire). Sentinels keep it (`sentinel_client`).
+        """
         return {
-            "socket_timeout": self.socket_timeout,
+            "socket_timeout": None,
             "socket_connect_timeout": self.connect_timeout,
             # redis-py retries failed calls 10 times with backoff by default, longer than a
             # lease, and the election core owns retries. One immediate retry is kept for a
@@ -367,7 +374,11 @@ def sentinel_client(
     kwargs = settings.client_kwargs()
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         hosts,
-        sentinel_kwargs={**kwargs, **(sentinel_kwargs or {})},
+        sentinel_kwargs={
+            **kwargs,
+            "socket_timeout": settings.socket_timeout,
+            **(sentinel_kwargs or {}),
+        },
         **kwargs,
     )
     client: Redis = sentinel.master_for(
