@@ -548,7 +548,7 @@ class LeaderElection:
             info.token,
             token=info.token,
         )
-        self._emit(EventKind.ACQUIRED, token=info.token, leader=info)
+        self._emit(EventKind.ACQUIRED, token=info.token, leader=term.info)
         self._observe(info)
         notify(lambda o: o.acquired, self, self._leadership, failover)
 
@@ -823,6 +823,8 @@ class LeaderElection:
     def _emit(
         self, kind: EventKind, *, token: int | None, leader: LeaderInfo | None = None
     ) -> None:
+        if not self._hub.wants(kind):
+            return  # nobody listens for it: build nothing (a step down's critical path)
         self._hub.publish(
             LeadershipEvent(
                 kind=kind,

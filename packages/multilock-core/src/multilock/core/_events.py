@@ -84,6 +84,10 @@ class EventHub:
     def subscriber_count(self) -> int:
         return len(self._streams)
 
+    def wants(self, kind: EventKind) -> bool:
+        """Whether any subscriber takes events of *kind*."""
+        return any(kind & stream.kinds for stream in self._streams)
+
     def publish(self, event: LeadershipEvent) -> None:
         for stream in list(self._streams):
             if event.kind & stream.kinds:
