@@ -185,6 +185,71 @@ def test_holdoff_never_delays_taking_a_group_another_participant_released():
     run(body)
 
 
+class RoundTrip(FaultyProvider):
+    """A store each call of which takes *rtt* seconds, noting when each call was made."""
+
+    def __init__(self, inner, rtt: float = 0.001) -> None:
+        super().__init__(inner)
+        self.rtt = rtt
+        self.made: list[tuple[str, float]] = []
+
+    async def _gate(self, method):
+        self.made.append((method, asyncio.get_running_loop().time()))
+        await asyncio.sleep(self.rtt)
+        return await super()._gate(method)
+
+
+def test_a_resigner_does_not_read_the_group_before_its_successor_took_it():
+    # Woken by its own release's notification, a resigner used to read the group at once:
+    # it found it vacant, and (in one process) that read ran beside the successor's acquire.
+    async def body(clock, store):
+        a_store, b_store = RoundTrip(store), RoundTrip(store)
+        a = election(a_store, "a", retry_interval=5.0)
+        b = election(b_store, "b", retry_interval=5.0)
+        await a.start()
+        await leads(a, 5.0)
+        await b.start()
+        await asyncio.sleep(LEASE / 2)  # a has renewed: it knows the store's round trip
+        loop = asyncio.get_running_loop()
+        a_store.made.clear()
+        await a.resign()
+        await leads(b, 1.0)
+        began = loop.time()  # b's term began at this (virtual) instant
+        await asyncio.sleep(0.1)  # the resigner's rounds after the handoff
+        calls = [(method, at) for method, at in a_store.made if method != "watch"]
+        assert calls, "the resigner never looked at the group again"
+        assert all(at >= began for _, at in calls[1:]), calls  # [0] is its release
+        assert a.leadership is None
+        assert not a._holding_off(), "still holding off"
+        await a.stop()
+        await b.stop()
+
+    run(body)
+
+
+def test_a_term_that_begins_and_ends_while_a_resigner_settles_ends_its_hold_off():
+    async def body(clock, store):
+        retry = 5.0
+        a = election(RoundTrip(store), "a", retry_interval=retry)
+        b = election(RoundTrip(store), "b", retry_interval=retry)
+        await a.start()
+        await leads(a, retry)
+        await b.start()
+        await asyncio.sleep(1.0)
+        loop = asyncio.get_running_loop()
+        for _ in range(4):  # ping-pong, each term given up the moment it begins
+            for leader, other in ((a, b), (b, a)):
+                await leads(leader, retry)
+                resigned = loop.time()
+                await leader.resign()
+                await leads(other, retry)
+                assert loop.time() - resigned < 0.05, "the hand-back waited for a hold-off"
+        await a.stop()
+        await b.stop()
+
+    run(body)
+
+
 def test_two_elections_with_one_participant_id_never_both_lead():
     async def body(clock, store):
         # Two processes configured with the same id: each has its own provider.

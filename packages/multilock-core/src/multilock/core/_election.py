@@ -127,6 +127,10 @@ class _Campaign:
     notified: bool = True
     #: When this participant first saw the group without a live leader (for failover time).
     vacant_since: float | None = None
+    #: Seconds the last release or renew took to be answered: the store's round trip.
+    round_trip: float = 0.0
+    #: A term ended: the next notification is most likely our own release's.
+    own_wake_next: bool = False
 
     def mine(self, info: LeaderInfo, participant_id: str) -> bool:
         return info.participant_id == participant_id and info.metadata.get(INSTANCE_KEY) == (
@@ -586,6 +590,7 @@ class LeaderElection:
         # otherwise a participant whose renews fail but whose acquires succeed would take
         # every term back at once. The hold-off ends early once another participant leads.
         campaign.holdoff_until = now + self._options.retry_interval + self._provider.notify_delay
+        campaign.own_wake_next = True
         if self._state is ElectionState.LEADING:
             self._step(_Event.TERM_ENDED)
         else:
@@ -667,11 +672,16 @@ class LeaderElection:
                 if await call_until(renew, bound):
                     campaign.in_doubt = False
                     return leader, sent
+            held_off = self._holding_off()
             self._observe(leader)
             self._log.log(
                 logging.DEBUG, "%s: held by %s (token %d), following", group,
                 leader.participant_id, leader.token,
             )  # fmt: skip
+            if campaign.notified and held_off and not self._holding_off():
+                # The hold-off ended on a notification: answer it as any follower does,
+                # with a try (on ZooKeeper, it queues this participant behind the leader).
+                return await self._acquire(metadata, bound, holder=leader)
             return None
         if campaign.vacant_since is None:
             campaign.vacant_since = self._clock()
@@ -682,9 +692,10 @@ class LeaderElection:
         return await self._acquire(metadata, bound)
 
     async def _acquire(
-        self, metadata: dict[str, str], bound: float
+        self, metadata: dict[str, str], bound: float, holder: LeaderInfo | None = None
     ) -> tuple[LeaderInfo, float] | None:
-        """Try to take the lease; when it is held, look who holds it."""
+        """Try to take the lease; when it is held, look who holds it (unless this round
+        has just read the *holder*)."""
         campaign, provider, group = self._campaign, self._provider, self.group
         sent = self._clock()
         campaign.in_doubt = True
@@ -693,6 +704,8 @@ class LeaderElection:
         )
         info = await call_until(acquire, bound)
         campaign.in_doubt = False
+        if info is None and holder is not None:
+            return None  # held, by the leader this round has just seen
         if info is None or not campaign.mine(info, self.participant_id):
             holder = await call_until(provider.get_leader(group), bound)
             self._observe(holder)
@@ -719,9 +732,24 @@ class LeaderElection:
             interval = 2 * options.lease_duration if quiet else options.retry_interval
             when = self._clock() + _jitter(interval)
         await sleep_until(when, self._wake)
+        campaign = self._campaign
+        if self._wake.is_set() and self._holding_off() and campaign.own_wake_next:
+            # Most likely the notification of our own step-down, with the group vacant: the
+            # candidates we hold off for take it about two round trips later. Look then, or
+            # at the next notification: a read now finds nobody and, in one process, runs
+            # beside their acquire on the handoff's critical path. A next notification means
+            # another participant has acted on the group (took it, perhaps gave it up
+            # already): the hold-off has done its job.
+            campaign.own_wake_next = False
+            settle = min(self._clock() + 2 * campaign.round_trip, campaign.holdoff_until)
+            if settle > self._clock():
+                self._wake.clear()
+                await sleep_until(settle, self._wake)
+                if self._wake.is_set():
+                    campaign.holdoff_until = 0.0
+                self._wake.set()  # still a round after a notification
         # Woken by the store, the group has likely changed hands: the next round tries to
         # acquire at once. Woken by the timer (the safety net), it only looks first.
-        campaign = self._campaign
         campaign.notified = self._wake.is_set()
         if campaign.notified and campaign.vacant_since is None:
             campaign.vacant_since = self._clock()
@@ -758,6 +786,7 @@ class LeaderElection:
             token = term.info.token
             if ok is True:
                 latency = self._clock() - sent
+                self._campaign.round_trip = latency
                 self._stats.renewals += 1
                 self._stats.last_renew_latency = latency
                 self._extend(term, sent)
@@ -896,11 +925,13 @@ class LeaderElection:
         renew_interval = self._options.renew_interval
         if term is not None and term.renewing is not None and not term.renewing.done():
             await asyncio.wait({term.renewing}, timeout=renew_interval)
-        deadline = self._clock() + renew_interval
+        sent = self._clock()
         try:
             await call_until(
-                self._provider.release(self.group, self.participant_id, token), deadline
+                self._provider.release(self.group, self.participant_id, token),
+                sent + renew_interval,
             )
+            self._campaign.round_trip = self._clock() - sent
         except Exception as exc:  # the lease then simply expires
             self._log.log(
                 logging.WARNING, "release of %s token %d failed: %r", self.group, token, exc,
