@@ -264,6 +264,11 @@ class ZooKeeperProvider(Provider):
     ) -> LeaderInfo | None:
         made: list[Node] = []
         acquire = self._acquire(group, participant_id, lease_duration, metadata, made)
+        node, line = self._nodes.get((group, participant_id)), self._views.known(group)
+        if node is not None and line and node.name in [name for _, name in line]:
+            # In line, as the watch shows: no I/O, so no cancellation can cut it in half
+            # (a handoff's path: spawning and shielding a task costs two loop turns).
+            return await self._calls.call("try_acquire", acquire)
         work = asyncio.ensure_future(self._calls.call("try_acquire", acquire))
         work.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
@@ -298,7 +303,8 @@ class ZooKeeperProvider(Provider):
             return None  # queued behind the leader
         if node.acquired_at is None:  # its term starts: stamp the record, out of the way
             node.acquired_at = datetime.now(UTC)
-            self._spawn(self._quietly("try_acquire", lambda: self._write(node, meta)))
+            stamp = functools.partial(self._quietly, "try_acquire", lambda: self._write(node, meta))
+            asyncio.get_running_loop().call_soon(lambda: self._spawn(stamp()))  # after ours
             stored: Mapping[str, str] | None = meta
         elif (stored := node.stored) is None:
             return None  # a repeated call while the record is in doubt: get_leader finds it
