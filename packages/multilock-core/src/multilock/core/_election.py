@@ -131,6 +131,9 @@ class _Campaign:
     round_trip: float = 0.0
     #: A term ended: the next notification is most likely our own release's.
     own_wake_next: bool = False
+    #: The hold-off ended on a notification, perhaps of a successor's acquire still under
+    #: way (on one node of several): read before trying.
+    look_first: bool = False
 
     def mine(self, info: LeaderInfo, participant_id: str) -> bool:
         return info.participant_id == participant_id and info.metadata.get(INSTANCE_KEY) == (
@@ -635,7 +638,8 @@ class LeaderElection:
         bound = self._clock() + self._usable_lease
         campaign.round_failed = False
         try:
-            if campaign.notified and not campaign.in_doubt and not self._holding_off():
+            at_once = not (campaign.in_doubt or campaign.look_first or self._holding_off())
+            if campaign.notified and at_once:
                 # No term of ours can be on the store, and a held group answers None and
                 # keeps its lease: try at once, saving a read on every handoff.
                 self._log.log(logging.DEBUG, "%s: notified or starting, acquiring at once", group)
@@ -661,6 +665,8 @@ class LeaderElection:
             self._campaign,
         )
         leader = await call_until(provider.get_leader(group), bound)
+        held_off = self._holding_off() or campaign.look_first
+        campaign.look_first = False
         if leader is not None:
             if campaign.mine(leader, me) and leader.token != campaign.lost_token:
                 # Our acquire whose reply was lost: take the term up with a renew.
@@ -672,7 +678,6 @@ class LeaderElection:
                 if await call_until(renew, bound):
                     campaign.in_doubt = False
                     return leader, sent
-            held_off = self._holding_off()
             self._observe(leader)
             self._log.log(
                 logging.DEBUG, "%s: held by %s (token %d), following", group,
@@ -739,14 +744,15 @@ class LeaderElection:
             # at the next notification: a read now finds nobody and, in one process, runs
             # beside their acquire on the handoff's critical path. A next notification means
             # another participant has acted on the group (took it, perhaps gave it up
-            # already): the hold-off has done its job.
+            # already): the hold-off has done its job, but the round reads first (the
+            # successor may still be acquiring, on Redlock one node after another).
             campaign.own_wake_next = False
             settle = min(self._clock() + 2 * campaign.round_trip, campaign.holdoff_until)
             if settle > self._clock():
                 self._wake.clear()
                 await sleep_until(settle, self._wake)
                 if self._wake.is_set():
-                    campaign.holdoff_until = 0.0
+                    campaign.holdoff_until, campaign.look_first = 0.0, True
                 self._wake.set()  # still a round after a notification
         # Woken by the store, the group has likely changed hands: the next round tries to
         # acquire at once. Woken by the timer (the safety net), it only looks first.
