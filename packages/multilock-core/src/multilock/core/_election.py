@@ -711,6 +711,8 @@ class LeaderElection:
         campaign.in_doubt = False
         if info is None and holder is not None:
             return None  # held, by the leader this round has just seen
+        if info is not None and holder is not None and campaign.vacant_since is None:
+            campaign.vacant_since = sent  # the leader it saw gave up meanwhile: a failover
         if info is None or not campaign.mine(info, self.participant_id):
             holder = await call_until(provider.get_leader(group), bound)
             self._observe(holder)
