@@ -26,6 +26,7 @@ class EventStream:
     def __init__(self, hub: EventHub, kinds: EventKind) -> None:
         self._hub = hub
         self.kinds = kinds
+        self._mask = kinds.value  # an int: `EventKind &` builds a member, on every event
         self._queue: asyncio.Queue[LeadershipEvent | None] = asyncio.Queue()
         self._closed = False
 
@@ -86,11 +87,13 @@ class EventHub:
 
     def wants(self, kind: EventKind) -> bool:
         """Whether any subscriber takes events of *kind*."""
-        return any(kind & stream.kinds for stream in self._streams)
+        bit = kind.value
+        return any(bit & stream._mask for stream in self._streams)
 
     def publish(self, event: LeadershipEvent) -> None:
+        bit = event.kind.value
         for stream in list(self._streams):
-            if event.kind & stream.kinds:
+            if bit & stream._mask:
                 stream._put(event)
 
     def end_all(self) -> None:
