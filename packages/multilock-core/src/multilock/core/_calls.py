@@ -98,7 +98,7 @@ async def _relay(call: Coroutine[Any, Any, T], reply: asyncio.Future[T], name: s
         return
     if not reply.done():
         reply.set_exception(failure)
-    elif not isinstance(failure, asyncio.CancelledError):
+    else:
         log.debug("a timed-out provider call ended with %r", failure)
     if not isinstance(failure, Exception):
         raise failure  # KeyboardInterrupt, SystemExit: not the caller's alone
