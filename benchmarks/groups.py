@@ -282,13 +282,14 @@ def report_section(results: dict[str, dict[str, Any]], args: Any) -> list[str]:
         "",
         "| backend | groups | provider | all leading s | provider calls/s | store ops/s "
         "| server CPU % | client CPU % | client RSS MB | RSS KB per group | connections "
-        "| fewest leading | terms won | renew p50 ms | renew p99 ms | renew failures | stop s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fewest leading | terms won | renew p50 ms | renew p99 ms | renew failures | stop s "
+        "| client CPU ms per call |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend, r in results.items():
         if "error" in r or "skipped" in r:
             why = r.get("error") or r.get("skipped")
-            out.append(f"| {backend} | {r.get('n', '?')} | {why} |||||||||||||||")
+            out.append(f"| {backend} | {r.get('n', '?')} | {why} ||||||||||||||||")
             continue
         if r["all_leading_s"] is None:
             all_leading = (
@@ -305,7 +306,7 @@ def report_section(results: dict[str, dict[str, Any]], args: Any) -> list[str]:
             f"{fmt(r['fewest_leading'], 0)} | {r.get('terms_won', 'n/a')} | "
             f"{fmt(r.get('renew_p50_ms'), 2)} | "
             f"{fmt(r.get('renew_p99_ms'), 2)} | {r.get('renew_failures', 'n/a')} | "
-            f"{fmt(r.get('stop_s'), 1)} |"
+            f"{fmt(r.get('stop_s'), 1)} | {fmt(_cpu_per_call(r), 3)} |"
         )
     for backend, r in results.items():
         if r.get("warnings"):
@@ -315,11 +316,23 @@ def report_section(results: dict[str, dict[str, Any]], args: Any) -> list[str]:
     return out
 
 
+def _cpu_per_call(r: dict[str, Any]) -> float | None:
+    """Milliseconds of the worker's CPU per provider call in the window (None: no calls)."""
+    calls = r["provider_calls_per_s"]
+    return r["client_cpu_percent"] * 10 / calls if calls else None
+
+
 NOTES = [
     "- The renew load is the interesting number for the store: each renew is one provider "
     "call, one round trip and (Redis) one script that runs a few commands inside the "
     "server, (PostgreSQL) one transaction. A client that cannot keep up shows it as a "
     "renew p99 near the renew interval, fewer leading than groups, or renew failures.",
+    "- What bounds it: the worker's CPU. Client CPU ms per call is the worker's CPU time "
+    "over the provider calls it made in the window; the calls it must make each second "
+    "(groups / renew interval) times that cost is the share of one core the renewals "
+    "need, and past one whole core they fall behind, time out and lose terms (which "
+    "then cost acquires as well). The in-memory store's row, when run, is the core's own "
+    "cost per call.",
     "- The in-memory store (when run) lives in the worker, so its client CPU includes the "
     "store's work and it has no server columns.",
 ]

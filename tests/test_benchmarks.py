@@ -103,6 +103,7 @@ def test_benchmark_runner_measures_everything(tmp_path):
         assert row[1] == "40", row
         float(row[3])  # until all lead
         assert row[11] == "40", f"{backend}: fewest leading {row[11]}"
+        assert float(row[17]) > 0, f"{backend}: client CPU ms per call {row[17]}"
 
     stops = section(text, 7)
     row = cells(stops, "redis", "`stop_on_signals`")
