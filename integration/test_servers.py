@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Iterator
@@ -179,6 +182,44 @@ def test_postgres_runs_unprivileged_and_keeps_data_on_restart(
     assert local_postgres.pid not in (None, pid)
     with psycopg.connect(local_postgres.url, autocommit=True) as conn:
         assert conn.execute("SELECT v FROM kept").fetchall() == [("v",)]
+
+
+def test_postgres_started_as_its_user_runs_no_fork_handlers_before_exec() -> None:
+    """As root the harness drops to ``postgres`` without ``fork()``'s at-fork handlers.
+
+    A library's ``pthread_atfork`` child handler (gRPC's, with a test's etcd client busy)
+    crashed about one started server in ten. Here the child handler is ``abort()``: a
+    server started through ``fork()`` dies with SIGABRT before its ``exec``.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("the harness drops to the postgres user only when the tests run as root")
+    if postgres_bindir() is None:
+        skip_or_fail("PostgreSQL is not installed (run python integration/harness/install.py)")
+    script = textwrap.dedent(
+        """
+        import ctypes
+        import psycopg
+        from harness import PostgresServer
+
+        # pthread_atfork() itself lives in libc_nonshared.a; this is what it calls.
+        libc = ctypes.CDLL("libc.so.6")
+        abort = ctypes.cast(libc.abort, ctypes.c_void_p)
+        assert libc.__register_atfork(None, None, abort, None) == 0
+        with PostgresServer() as server, psycopg.connect(server.url) as conn:
+            print(conn.execute("SELECT current_user").fetchone()[0])
+        """
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": here},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["postgres"]
 
 
 def test_postgres_stops_with_sigint_despite_open_clients(

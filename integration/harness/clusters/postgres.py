@@ -123,10 +123,6 @@ class _Node(PostgresServer):
 
     def _basebackup(self, upstream: tuple[str, int]) -> None:
         self.chown_dir()
-        user = self._user()
-        kwargs: dict[str, Any] = {}
-        if user is not None:
-            kwargs = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
         host, port = upstream
         conninfo = f"host={host} port={port} user=postgres application_name={self.name}"
         options = {"-D": self.data_dir, "-d": conninfo, "-X": "stream", "-c": "fast"}
@@ -135,14 +131,13 @@ class _Node(PostgresServer):
             log.write(f"--- harness: {' '.join(command)}\n".encode())
             log.flush()
             done = subprocess.run(
-                command,
+                self.as_run_as(command),
                 cwd=self.dir,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
                 timeout=_BASEBACKUP_TIMEOUT,
                 check=False,
-                **kwargs,
             )
         if done.returncode != 0:
             raise ServerError(f"pg_basebackup of {self.name} failed:\n{self.log_tail()}")
