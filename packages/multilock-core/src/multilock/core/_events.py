@@ -25,10 +25,15 @@ class EventStream:
 
     def __init__(self, hub: EventHub, kinds: EventKind) -> None:
         self._hub = hub
-        self.kinds = kinds
+        self._kinds = kinds
         self._mask = kinds.value  # an int: `EventKind &` builds a member, on every event
         self._queue: asyncio.Queue[LeadershipEvent | None] = asyncio.Queue()
         self._closed = False
+
+    @property
+    def kinds(self) -> EventKind:
+        """The kinds of event this stream takes (fixed when it is created)."""
+        return self._kinds
 
     def _put(self, event: LeadershipEvent | None) -> None:
         self._queue.put_nowait(event)
