@@ -296,14 +296,21 @@ class EtcdProvider(Provider):
         # If the put goes through but the reply is lost, the election finds the term with
         # get_leader and takes it up with renew; a lease granted for a txn that never ran
         # expires by itself.
-        ok, responses = await self._call(
-            "txn",
-            self._client.transaction(
-                compare=[tx.create(key) == 0],
-                success=[tx.put(key, record, lease=lease.id), tx.get(key)],
-                failure=[],
-            ),
-        )
+        try:
+            ok, responses = await self._call(
+                "txn",
+                self._client.transaction(
+                    compare=[tx.create(key) == 0],
+                    success=[tx.put(key, record, lease=lease.id), tx.get(key)],
+                    failure=[],
+                ),
+            )
+        except asyncio.CancelledError:
+            # The caller has left, and the txn may still be applied after its cancel.
+            # Revoking the lease undoes it in either order: it deletes a key the txn put,
+            # and a txn applied later fails on the missing lease.
+            await self._discard(lease.id)
+            raise
         if not ok:
             await self._discard(lease.id)
             return None
