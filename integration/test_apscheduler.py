@@ -10,6 +10,7 @@ within the lease; SIGKILL must hand it over only once the lease has expired.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -46,9 +47,12 @@ class Replicas:
 
     def start(self, name: str) -> subprocess.Popen[bytes]:
         # O_APPEND: every flushed line lands whole, after everything written before it.
+        # Buffered: unbuffered, print() writes a line's text and its newline apart, and
+        # the other replica's line can land between them.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
         with self.out.open("ab") as out, (self.dir / f"{name}.err").open("wb") as err:
             proc = subprocess.Popen(
-                [sys.executable, str(SAMPLE), *self.args], stdout=out, stderr=err
+                [sys.executable, str(SAMPLE), *self.args], stdout=out, stderr=err, env=env
             )
         self.procs[proc.pid] = proc
         return proc
