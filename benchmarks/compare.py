@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "integration"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 #: Backends with a driver's floor in ``floor.py``.
-FLOORS = ("redis", "postgres", "etcd")
+FLOORS = ("redis", "postgres", "etcd", "filesystem")
 
 
 def child(kind: str, url: str, count: int, lease: float) -> None:

@@ -19,11 +19,22 @@ Per store:
   ``INSERT .. ON CONFLICT DO UPDATE .. WHERE expired`` on its own connection.
 - etcd (aetcd): the leader revokes its lease (the key goes with it); the follower's watch
   sees the DELETE, grants a lease and runs one create-if-absent transaction.
+- The file system (`os`, in worker threads as the provider's calls run): the leader, under
+  an exclusive ``flock``, reads the record, writes and fsyncs a temp file and renames it
+  over the record; the directory's inotify descriptor, read by the event loop, wakes the
+  follower, which under the lock reads the record, writes and fsyncs a temp file, renames
+  it and fsyncs the directory (its token rose). The fsyncs are the durability every
+  handoff on a file system must pay: a record that survives a power cut whole, and a
+  token that never goes back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import os
+import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -42,6 +53,8 @@ OPERATIONS = {
     "redis": "script DEL + PUBLISH, pub/sub, SET NX PX (redis.asyncio)",
     "postgres": "DELETE + pg_notify, LISTEN, INSERT .. ON CONFLICT (psycopg async)",
     "etcd": "lease revoke, watch, lease grant + create-if-absent txn (aetcd)",
+    "filesystem": "flock + write, fsync, rename; inotify; flock + write, fsync, rename, "
+    "fsync of the directory (os, worker threads)",
 }
 
 #: A leader's setup, a timed handoff (returns when the follower holds), the clean-up.
@@ -215,8 +228,106 @@ async def _etcd(url: str) -> tuple[Round, Round, Round]:
     return take, hand_over, close
 
 
+#: inotify(7): a file renamed into the watched directory.
+IN_MOVED_TO = 0x80
+
+
+def _write_record(directory: str, name: str, holder: bytes, *, free: bool, durable: bool) -> bool:
+    """Under the group's flock: read the record; unless the holder must be *free* and is
+    not, write it through a temp file (fsynced) renamed over it, then with *durable* fsync
+    the directory. Returns whether it wrote."""
+    path = os.path.join(directory, name)
+    lock = os.open(f"{path}.lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with open(path, "rb") as f:
+                current = f.read()
+        except FileNotFoundError:
+            current = b""
+        if free and current not in (b"", b"free"):
+            return False
+        fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            os.write(fd, holder)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(f"{path}.tmp", path)
+        if durable:
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        return True
+    finally:
+        os.close(lock)  # drops the flock
+
+
+async def _filesystem(url: str) -> tuple[Round, Round, Round]:
+    directory = urlsplit(url).path
+    name = f"multilock-floor-{uuid.uuid4().hex}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    inotify = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    if inotify < 0 or libc.inotify_add_watch(inotify, os.fsencode(directory), IN_MOVED_TO) < 0:
+        raise OSError(ctypes.get_errno(), "inotify")
+    loop = asyncio.get_running_loop()
+    armed = asyncio.Event()  # a timed handoff is on: the next rename is the leader's release
+    won: asyncio.Queue[bool] = asyncio.Queue()
+    header = struct.Struct("iIII")
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def acquire() -> None:
+        won.put_nowait(
+            await asyncio.to_thread(
+                _write_record, directory, name, b"follower", free=True, durable=True
+            )
+        )
+
+    def on_readable() -> None:
+        names: set[bytes] = set()
+        with contextlib.suppress(BlockingIOError):
+            while data := os.read(inotify, 65536):
+                offset = 0
+                while offset < len(data):
+                    _, _, _, length = header.unpack_from(data, offset)
+                    offset += header.size
+                    names.add(data[offset : offset + length].rstrip(b"\0"))
+                    offset += length
+        if name.encode() in names and armed.is_set():
+            armed.clear()
+            task = asyncio.create_task(acquire())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    loop.add_reader(inotify, on_readable)
+
+    async def take() -> None:
+        await asyncio.to_thread(_write_record, directory, name, b"leader", free=False, durable=True)
+
+    async def hand_over() -> None:
+        armed.set()
+        await asyncio.to_thread(_write_record, directory, name, b"free", free=False, durable=False)
+        if not await won.get():
+            raise RuntimeError("the follower found the record held")
+
+    async def close() -> None:
+        loop.remove_reader(inotify)
+        os.close(inotify)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for suffix in ("", ".lock", ".tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, name + suffix))
+
+    return take, hand_over, close
+
+
 _OPENERS: dict[str, Callable[[str], Awaitable[tuple[Round, Round, Round]]]] = {
     "redis": _redis,
     "postgres": _postgres,
     "etcd": _etcd,
+    "filesystem": _filesystem,
 }

@@ -337,7 +337,8 @@ def _round_trip_table(results: dict[str, dict[str, Any]]) -> list[str]:
         + (f", {core:.2f} ms in this run" if core is not None else ", not measured here")
         + "): about how many store round trips a handoff costs, counting everything the "
         "provider does on the way (the release, the watch's notification, the follower's "
-        "read and acquire).",
+        "read and acquire). On the file system the request is one write and fsync of a "
+        "small file in a worker thread: the provider fsyncs every record it writes.",
         "",
         "| backend | request | p50 ms | p95 ms | p99 ms | handoff p50 ms "
         "| handoff p50 / round trip p50 | (handoff p50 - core's) / round trip p50 |",
@@ -372,7 +373,9 @@ def _floor_table(results: dict[str, dict[str, Any]]) -> list[str]:
         "event loop. What is left between the two is the library's own work"
         + (f" (the in-memory handoff, the core alone, is {core:.2f} ms here)." if core else ".")
         + " The floor is several of the table above's round trips: those run back to back, "
-        "while each handoff's steps meet a server and a client that were idle.",
+        "while each handoff's steps meet a server and a client that were idle. On the file "
+        "system the driver is the operating system (`os`, in worker threads as the "
+        "provider's calls are), the store a local directory and the notification inotify.",
         "",
         "| backend | steps | handoffs | failed | floor p50 ms | floor p99 ms | multilock p50 ms "
         "| multilock p99 ms | multilock - floor (p50) ms |",

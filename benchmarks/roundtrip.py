@@ -6,14 +6,19 @@ beside one round trip of the cheapest request its driver can make, timed from th
 loop the way the provider's calls are: Redis ``PING`` (redis.asyncio), PostgreSQL
 ``SELECT 1`` (psycopg, async, autocommit), an etcd ``get`` of a missing key (aetcd), a
 ZooKeeper ``exists`` (kazoo's async API, settled on the event loop from kazoo's thread,
-as the provider does). So the reader sees how many round trips a handoff costs, and
+as the provider does), and on the file system one write and fsync of a small file in a
+worker thread (the provider's calls run in worker threads; every write it makes is
+fsynced). So the reader sees how many round trips a handoff costs, and
 whether a missed latency target is bounded by the store or by the code around it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +37,7 @@ OPERATIONS = {
     "postgres": "SELECT 1 (psycopg async, autocommit)",
     "etcd": "get of a missing key (aetcd)",
     "zookeeper": "exists('/') (kazoo's async API)",
+    "filesystem": "write + fsync of a small file (os, in a worker thread)",
 }
 
 
@@ -111,9 +117,28 @@ async def _zookeeper(url: str) -> tuple[Call, Close]:
     return exists, close
 
 
+async def _filesystem(url: str) -> tuple[Call, Close]:
+    path = os.path.join(urlsplit(url).path, f"multilock-round-trip-{uuid.uuid4().hex}")
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            os.write(fd, b'{"holder": "round trip"}')
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    async def close() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+    return lambda: asyncio.to_thread(write), close
+
+
 _OPENERS: dict[str, Callable[[str], Awaitable[tuple[Call, Close]]]] = {
     "redis": _redis,
     "postgres": _postgres,
     "etcd": _etcd,
     "zookeeper": _zookeeper,
+    "filesystem": _filesystem,
 }
