@@ -25,7 +25,7 @@ from harness import BaseServer, Server, require_control
 from multilock.core import ProviderError
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
 from multilock.redis import RedisProvider, RedlockProvider
-from multilock.redis._config import DEFAULT_MAX_CONNECTIONS
+from multilock.redis._config import DEFAULT_MAX_CONNECTIONS, Settings, client_from_url
 
 LEASE = 1.0
 CHECKS = list(PROVIDER_CHECKS)
@@ -693,6 +693,38 @@ async def test_many_concurrent_calls_share_a_bounded_pool(redis_server: BaseServ
             assert 0 < total <= DEFAULT_MAX_CONNECTIONS
         finally:
             await admin.aclose()
+
+
+async def test_a_connection_freed_for_a_waiter_that_left_goes_to_the_next(
+    redis_server: BaseServer,
+) -> None:
+    # Two tasks wait for a connection of a full pool; one is freed, and the task it was
+    # meant for is cancelled (its call timed out) before it resumes. The other must get
+    # it now, not wait for the pool's timeout (Python before 3.13 loses that notify).
+    client = client_from_url(f"{redis_server.url}?max_connections=2", Settings())
+    pool = client.connection_pool
+    held = [await pool.get_connection(), await pool.get_connection()]
+    first = asyncio.ensure_future(pool.get_connection())
+    second = asyncio.ensure_future(pool.get_connection())
+    try:
+        for _ in range(100):  # a few loop turns until both wait in the pool
+            if len(pool._condition._waiters) == 2:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0)
+        assert len(pool._condition._waiters) == 2  # type: ignore[attr-defined]
+        await pool.release(held.pop())  # notifies the first waiter...
+        first.cancel()  # ...which leaves before it resumes
+        assert pool.timeout > 2
+        got = await asyncio.wait_for(second, 2)
+        held.append(got)
+        assert first.cancelled()
+    finally:
+        for task in (first, second):
+            task.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+        for connection in held:
+            await pool.release(connection)
+        await client.aclose()
 
 
 # -- dead and frozen servers, clients ----------------------------------------------------------

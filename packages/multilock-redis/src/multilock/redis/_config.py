@@ -5,12 +5,14 @@ Credentials never leave this module in a message: errors name URLs through `reda
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import attrs
@@ -331,6 +333,34 @@ def check_url(url: str) -> None:
     _db(parts.path, url)
 
 
+class _Condition(asyncio.Condition):
+    """asyncio's Condition, but a notify never goes to a waiter that leaves instead.
+
+    Before Python 3.13 (CPython gh-112202), a task notified and then cancelled before it
+    resumes swallows the notify: in redis-py's `BlockingConnectionPool`, a connection
+    released while its callers' calls time out can then stay idle while another task waits
+    for one until the pool's timeout. A waiter leaving by an exception passes one notify on,
+    as Python 3.13 does; a spurious wake-up only checks the pool again.
+    """
+
+    async def wait(self) -> Literal[True]:
+        try:
+            return await super().wait()
+        except BaseException:
+            if self.locked():  # re-acquired on the way out, as `wait` always does
+                self.notify(1)
+            raise
+
+
+class _Pool(BlockingConnectionPool):
+    """redis-py's blocking pool, with `_Condition` where Python's loses a notify."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if sys.version_info < (3, 13):
+            self._condition = _Condition()
+
+
 def client_from_url(url: str, settings: Settings) -> Redis:
     """Build a client for one ``redis://`` or ``rediss://`` URL (query options go to redis-py)."""
     check_url(url)
@@ -338,8 +368,9 @@ def client_from_url(url: str, settings: Settings) -> Redis:
         # A bounded pool that waits for a free connection, so a thousand elections on one
         # provider share a few connections instead of failing with MaxConnectionsError or
         # opening one each. The wait is bounded like the call it is part of (the URL's
-        # ``timeout=`` and ``max_connections=`` win).
-        pool = BlockingConnectionPool.from_url(
+        # ``timeout=`` and ``max_connections=`` win). No task waits for a connection that
+        # is free (`_Condition`).
+        pool = _Pool.from_url(
             url,
             max_connections=DEFAULT_MAX_CONNECTIONS,
             timeout=settings.connect_timeout + settings.socket_timeout,
