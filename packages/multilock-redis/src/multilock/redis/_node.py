@@ -49,9 +49,9 @@ __all__ = ["Granted", "Node", "encode_metadata", "lease_ms"]
 
 log = logging.getLogger(__name__)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-#: Groups whose last message a node remembers; past that it forgets them all (a hint only
-#: saves a PTTL read).
-_MAX_HINTS = 4096
+#: Groups whose lease end a node remembers (about 100 bytes each); past that it forgets them
+#: all (a hint only saves a PTTL read). Above the 10,000 groups one process may lead.
+_MAX_HINTS = 65536
 _UNKNOWN = object()
 
 
@@ -318,8 +318,14 @@ class Node:
         lease, _, _ = self._keys(group)
         args: list[str | int] = [participant_id, token, lease_ms, metadata]
         write = self._write(self._renew, [lease], args, lease_ms)
+        sent = asyncio.get_running_loop().time()
         reply, replicas = await self.calls.call("renew", write, limit=within)
         renewed = int(reply) == 1
+        if renewed:
+            # A renewal publishes nothing: note the lease's new end (no earlier than this)
+            # for the watches here, the leader's own among them, which would else read
+            # PTTL once per lease when the end they last heard of comes.
+            self._note(group, sent + lease_ms / 1000)
         wanted = self.settings.wait_replicas
         if renewed and replicas is not None and replicas < wanted:
             raise ProviderError(
@@ -374,9 +380,10 @@ class Node:
     async def expires_in(self, group: str) -> float | None:
         """Seconds the group's lease has left here, None if there is none.
 
-        The last message on the group's channel answers without a round trip while it
-        holds: "released" (until a new term publishes), or a lease not yet due. Past that
-        (a renewal publishes nothing), PTTL reads it.
+        The last message on the group's channel, or the last renewal sent from here,
+        answers without a round trip while it holds: "released" (until a new term
+        publishes), or a lease not yet due. Past that (a renewal publishes nothing, so
+        another process's is not seen), PTTL reads it.
         """
         hint = self._hints.get(group, _UNKNOWN)
         if hint is None:
@@ -410,16 +417,20 @@ class Node:
         if not name.endswith(_scripts.CHANGED) or len(name) <= start + len(_scripts.CHANGED):
             return None
         group = name[start : -len(_scripts.CHANGED)]
-        if len(self._hints) >= _MAX_HINTS:
-            self._hints.clear()
         kind, _, ms = _text(data).partition(" ")
         if kind == "released":
-            self._hints[group] = None
+            self._note(group, None)
         elif kind == "acquired" and ms.isdigit():
-            self._hints[group] = asyncio.get_running_loop().time() + int(ms) / 1000
+            self._note(group, asyncio.get_running_loop().time() + int(ms) / 1000)
         else:
             self._hints.pop(group, None)
         return group
+
+    def _note(self, group: str, ends: float | None) -> None:
+        """Note when *group*'s lease ends here (None: released), for `expires_in`."""
+        if len(self._hints) >= _MAX_HINTS and group not in self._hints:
+            self._hints.clear()
+        self._hints[group] = ends
 
     async def listen(self, ready: Callable[[], None], notify: Callable[[str], None]) -> None:
         """Subscribe once to every group's channel, then report: `ready`, ``notify(group)``.
