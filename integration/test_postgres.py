@@ -21,7 +21,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from harness import BaseServer, require_control
-from multilock.core import ConfigurationError, ProviderError, from_url
+from multilock.core import ConfigurationError, LeaderElection, ProviderError, from_url
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
 from multilock.postgres import PostgresProvider
 from multilock.postgres._connections import MAX_CONNECTIONS
@@ -298,6 +298,31 @@ async def test_watch_wakes_when_the_lease_expires(url: str) -> None:
             assert await q.get_leader(group) is None, "woke before the server saw it expire"
         finally:
             await watch.aclose()  # type: ignore[attr-defined]
+
+
+async def test_a_leaders_renewals_spare_its_own_watch_the_expiry_reads(url: str) -> None:
+    # A leader's own election watches its group too. Renewals notify nobody, so without a
+    # note of them that watch would read the row once per lease, when the end it last
+    # heard of came. A successful renewal notes the new end.
+    async with PostgresProvider(url) as provider:
+        reads: list[str] = []
+        query = provider._query
+
+        async def counted(op: str, sql: Any, params: Any) -> Any:
+            if sql is provider._sql.expires_in:
+                reads.append(op)
+            return await query(op, sql, params)
+
+        provider._query = counted  # type: ignore[method-assign]
+        election = LeaderElection(provider, group=fresh(), participant_id="a", lease_duration=1)
+        async with election:
+            await election.wait_until_leader(timeout=10)
+            deadline = time.monotonic() + 10
+            while election.statistics().renewals < 9:  # three leases
+                assert time.monotonic() < deadline, "the leader did not renew 9 times"
+                await asyncio.sleep(0.05)
+            assert election.is_leader
+        assert len(reads) <= 1, f"the leader's watch read the row {len(reads)} times"
 
 
 async def test_statement_timeout_bounds_a_blocked_call(url: str) -> None:

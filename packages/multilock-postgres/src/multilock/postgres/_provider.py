@@ -200,7 +200,14 @@ class PostgresProvider(Provider):
     ) -> bool:
         params = {"group": group, "participant": participant_id, "lease": lease_duration}
         params |= {"metadata": Jsonb(metadata), "token": token}
-        return bool(await self._query("renew", self._sql.renew, params))
+        sent = asyncio.get_running_loop().time()
+        renewed = bool(await self._query("renew", self._sql.renew, params))
+        if renewed:
+            # A renewal notifies nobody: note the lease's new end (no earlier than this)
+            # for the watches here, the leader's own among them, which would else read
+            # the row once per lease when the end they last heard of comes.
+            self._notified[group] = sent + lease_duration
+        return renewed
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
         params = {"group": group, "participant": participant_id, "token": token}
@@ -254,8 +261,9 @@ class PostgresProvider(Provider):
     async def _expires_in(self, group: str) -> float | None:
         """Seconds the group's lease has left (None: no lease), read only when needed.
 
-        Right after a notification, its own news answers; at a lease's end (was it
-        renewed?) and after (re)subscribing, the row is read.
+        Right after a notification or a renewal sent from here, its own news answers;
+        at a lease's end (was it renewed elsewhere?) and after (re)subscribing, the row
+        is read.
         """
         if group in self._notified:
             ends = self._notified[group]
