@@ -21,7 +21,8 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from harness import BaseServer, require_control
-from multilock.core import ConfigurationError, LeaderElection, ProviderError, from_url
+from harness.leading import lead_through
+from multilock.core import ConfigurationError, ProviderError, from_url
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
 from multilock.postgres import PostgresProvider
 from multilock.postgres._connections import MAX_CONNECTIONS
@@ -314,14 +315,7 @@ async def test_a_leaders_renewals_spare_its_own_watch_the_expiry_reads(url: str)
             return await query(op, sql, params)
 
         provider._query = counted  # type: ignore[method-assign]
-        election = LeaderElection(provider, group=fresh(), participant_id="a", lease_duration=1)
-        async with election:
-            await election.wait_until_leader(timeout=10)
-            deadline = time.monotonic() + 10
-            while election.statistics().renewals < 9:  # three leases
-                assert time.monotonic() < deadline, "the leader did not renew 9 times"
-                await asyncio.sleep(0.05)
-            assert election.is_leader
+        await lead_through(provider, fresh(), leases=3)
         assert len(reads) <= 1, f"the leader's watch read the row {len(reads)} times"
 
 

@@ -22,7 +22,8 @@ import pytest
 from redis.asyncio import Redis
 
 from harness import BaseServer, Server, require_control
-from multilock.core import LeaderElection, ProviderError
+from harness.leading import lead_through
+from multilock.core import ProviderError
 from multilock.core.testing import PROVIDER_CHECKS, check_provider
 from multilock.redis import RedisProvider, RedlockProvider
 from multilock.redis._config import DEFAULT_MAX_CONNECTIONS, Settings, client_from_url
@@ -712,14 +713,7 @@ async def test_a_leaders_renewals_spare_its_own_watch_the_expiry_reads(
             return await read(group)
 
         node._pttl = counted  # type: ignore[method-assign]
-        election = LeaderElection(provider, group=group(), participant_id="a", lease_duration=1)
-        async with election:
-            await election.wait_until_leader(timeout=10)
-            deadline = time.monotonic() + 10
-            while election.statistics().renewals < 9:  # three leases
-                assert time.monotonic() < deadline, "the leader did not renew 9 times"
-                await asyncio.sleep(0.05)
-            assert election.is_leader
+        await lead_through(provider, group(), leases=3)
         assert len(reads) <= 1, f"the leader's watch read the lease {len(reads)} times"
 
 
