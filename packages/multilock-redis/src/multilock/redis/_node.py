@@ -10,6 +10,7 @@ message when the group's lease ends, so a woken watch need not ask the server.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import json
@@ -97,7 +98,10 @@ class _Calls(DriverCalls):
     core and the server sees a few commands a second. A semaphore sized to the pool
     (less one connection kept for the pub/sub listener) lets only as many commands reach
     the pool as it has connections; the rest wait here in O(1), bounded by the caller's
-    own deadline (the election's ``call_until``).
+    own deadline (the election's ``call_until``). Renewals and releases go first
+    (`Slots`): when more calls come than the client can send, the terms already won keep
+    their leases, instead of waiting behind the campaigns of those that lost theirs, which
+    would make them lose theirs too.
     """
 
     def __init__(
@@ -114,7 +118,7 @@ class _Calls(DriverCalls):
             "redis", where, timeout=timeout, failures=(RedisError, OSError), secrets=secrets
         )
         self._url = url
-        self._slots = asyncio.Semaphore(max(1, slots))
+        self._slots = Slots(max(1, slots))
         self._authenticated = authenticated
 
     def scrub(self, text: str) -> str:
@@ -145,7 +149,7 @@ class _Calls(DriverCalls):
 
     async def call(self, op: str, call: Awaitable[T], *, limit: float | None = None) -> T:
         try:
-            await self._slots.acquire()
+            await self._slots.acquire(first=op in _FIRST)
         except BaseException:
             if isinstance(call, Coroutine):
                 call.close()
@@ -154,6 +158,53 @@ class _Calls(DriverCalls):
             return await super().call(op, call, limit=limit)
         finally:
             self._slots.release()
+
+
+#: The calls that keep a won term: they take a free connection before any other call.
+_FIRST = frozenset({"renew", "release"})
+
+
+class Slots:
+    """A semaphore with two FIFO queues: a waiter asking to go *first* is served before
+    every other waiter. A slot given back goes straight to the next waiter; one given to
+    a waiter cancelled before it resumed goes on to the next."""
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self._queues: tuple[collections.deque[asyncio.Future[None]], ...] = (
+            collections.deque(),
+            collections.deque(),
+        )
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(queue) for queue in self._queues)
+
+    async def acquire(self, *, first: bool = False) -> None:
+        if self.free > 0 and not self.waiting:
+            self.free -= 1
+            return
+        slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._queues[0 if first else 1]
+        queue.append(slot)
+        try:
+            await slot
+        except BaseException:
+            if slot.done() and not slot.cancelled():
+                self.release()  # handed over as the caller left: to the next one
+            else:
+                with contextlib.suppress(ValueError):
+                    queue.remove(slot)
+            raise
+
+    def release(self) -> None:
+        for queue in self._queues:
+            while queue:
+                slot = queue.popleft()
+                if not slot.done():
+                    slot.set_result(None)
+                    return
+        self.free += 1
 
 
 def _slots(client: Redis) -> int:
