@@ -319,6 +319,54 @@ async def test_a_leaders_renewals_spare_its_own_watch_the_expiry_reads(url: str)
         assert len(reads) <= 1, f"the leader's watch read the row {len(reads)} times"
 
 
+async def test_a_cancelled_renewal_notes_no_new_end(url: str) -> None:
+    # A renewal cancelled while the server holds it (its outcome unknown) must not note
+    # the end it asked for: the watches here would trust a lease the store may not have.
+    # The next expiry question reads the row, and the provider serves the next call.
+    group = fresh()
+    async with PostgresProvider(url) as provider:
+        info = await provider.try_acquire(group, "p1", 5.0, {})
+        assert info is not None
+        async with await psycopg.AsyncConnection.connect(url) as blocker:
+            await blocker.execute(
+                "SELECT 1 FROM multilock_leases WHERE group_name = %s FOR UPDATE", [group]
+            )
+            renewal = asyncio.ensure_future(provider.renew(group, "p1", info.token, 60.0, {}))
+            deadline = time.monotonic() + 5
+            while not await _waits_for_a_lock(url):
+                assert time.monotonic() < deadline, "the renewal never waited for the row"
+                assert not renewal.done(), renewal
+                await asyncio.sleep(0.01)
+            renewal.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await renewal
+            await blocker.rollback()
+        assert group not in provider._notified, "a cancelled renewal noted a new end"
+        reads: list[str] = []
+        query = provider._query
+
+        async def counted(op: str, sql: Any, params: Any) -> Any:
+            if sql is provider._sql.expires_in:
+                reads.append(op)
+            return await query(op, sql, params)
+
+        provider._query = counted  # type: ignore[method-assign]
+        left = await provider._expires_in(group)
+        assert reads == ["watch"], "the expiry was answered without reading the row"
+        assert left is not None, "the lease, live for 5 s, was not found"
+        assert await provider.renew(group, "p1", info.token, 5.0, {}) is True
+
+
+async def _waits_for_a_lock(url: str) -> bool:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cursor = await conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE '%multilock_leases%'"
+        )
+        row = await cursor.fetchone()
+        return row is not None and int(row[0]) > 0
+
+
 async def test_statement_timeout_bounds_a_blocked_call(url: str) -> None:
     group = fresh()
     async with PostgresProvider(url, statement_timeout=0.5) as p:

@@ -717,6 +717,46 @@ async def test_a_leaders_renewals_spare_its_own_watch_the_expiry_reads(
         assert len(reads) <= 1, f"the leader's watch read the lease {len(reads)} times"
 
 
+async def test_a_cancelled_renewal_notes_no_new_end(redis_server: BaseServer) -> None:
+    # A renewal cancelled while the server holds it (its outcome unknown) must not note
+    # the end it asked for: the watches here would trust a lease the store may not have.
+    # The next expiry question reads PTTL, and the connection serves the next call.
+    name = group()
+    async with (
+        RedisProvider(redis_server.url) as provider,
+        Redis.from_url(redis_server.url) as admin,
+    ):
+        node = provider._node
+        info = await provider.try_acquire(name, "a", 5.0, {})
+        assert info is not None
+        await admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+        try:
+            renewal = asyncio.ensure_future(provider.renew(name, "a", info.token, 60.0, {}))
+            deadline = time.monotonic() + 5
+            while int((await admin.info("clients"))["blocked_clients"]) < 1:
+                assert time.monotonic() < deadline, "the renewal never reached the server"
+                assert not renewal.done(), renewal
+                await asyncio.sleep(0.01)
+            renewal.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await renewal
+        finally:
+            await admin.execute_command("CLIENT", "UNPAUSE")
+        assert name not in node._hints, f"a cancelled renewal noted {node._hints[name]}"
+        reads: list[str] = []
+        read = node._pttl
+
+        async def counted(group: str) -> float | None:
+            reads.append(group)
+            return await read(group)
+
+        node._pttl = counted  # type: ignore[method-assign]
+        left = await node.expires_in(name)
+        assert reads == [name], "the expiry was answered without asking the store"
+        assert left is not None, "the lease, live for 5 s, was not found"
+        assert await provider.renew(name, "a", info.token, 5.0, {}) is True
+
+
 async def test_a_connection_freed_for_a_waiter_that_left_goes_to_the_next(
     redis_server: BaseServer,
 ) -> None:
