@@ -789,6 +789,97 @@ async def test_a_connection_freed_for_a_waiter_that_left_goes_to_the_next(
         await client.aclose()
 
 
+async def test_renewals_of_one_loop_turn_share_one_pipeline(redis_server: BaseServer) -> None:
+    """40 renewals asked for at once reach the server on one connection; one cancelled
+    before its turn ends is not sent, and one with a stale token is refused alone."""
+    name = f"renew-{uuid.uuid4().hex[:8]}"
+    admin = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        async with RedisProvider(redis_server.url) as first:  # its 40 calls open a pool
+            groups = [group() for _ in range(40)]
+            terms = await asyncio.gather(*(first.try_acquire(g, "a", 10.0, {}) for g in groups))
+        tokens = [t.token for t in terms if t is not None]
+        assert len(tokens) == 40
+        async with RedisProvider(named(redis_server.url, name)) as p:
+            renewals = [
+                asyncio.ensure_future(p.renew(g, "a", t + (i == 1), 30.0, {"n": str(i)}))
+                for i, (g, t) in enumerate(zip(groups, tokens, strict=True))
+            ]
+            renewals[0].cancel()  # before the loop turn that sends them ends
+            done = await asyncio.gather(*renewals[1:])
+            assert done == [False] + [True] * 38
+            assert renewals[0].cancelled()
+            total, _ = await connections(admin, name)
+            assert total == 1, f"{total} connections for one turn's renewals"
+            lease = [await admin.pttl(lease_key(g)) for g in groups]
+            assert 0 < lease[0] <= 10_000, "cancelled: not sent"
+            assert 0 < lease[1] <= 10_000, "a stale token: refused"
+            assert min(lease[2:]) > 10_000, "renewed to 30 s"
+    finally:
+        await admin.aclose()
+
+
+async def test_a_renewal_whose_caller_left_before_a_connection_freed_is_not_sent(
+    redis_server: BaseServer,
+) -> None:
+    # Its pipeline waits for the one command connection, held by a call the paused server
+    # holds; the renewal's caller gives up meanwhile. Sent later, it would extend a lease
+    # its election no longer counts on (and keep others out for nothing).
+    name, other = group(), group()
+    async with (
+        RedisProvider(f"{redis_server.url}?max_connections=2") as provider,
+        Redis.from_url(redis_server.url) as admin,
+    ):
+        info = await provider.try_acquire(name, "a", 5.0, {})
+        assert info is not None
+        await admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+        try:
+            holding = asyncio.ensure_future(provider.try_acquire(other, "a", 5.0, {}))
+            deadline = time.monotonic() + 5
+            while int((await admin.info("clients"))["blocked_clients"]) < 1:
+                assert time.monotonic() < deadline, "the acquire never reached the server"
+                await asyncio.sleep(0.01)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(provider.renew(name, "a", info.token, 60.0, {}), 0.2)
+            sending = list(provider._node._sending)
+            assert sending, "no pipeline waits for the connection"
+        finally:
+            await admin.execute_command("CLIENT", "UNPAUSE")
+        assert await holding is not None
+        await asyncio.wait_for(asyncio.gather(*sending), 5)
+        assert 0 < await admin.pttl(lease_key(name)) <= 5_000, "the renewal was sent"
+
+
+async def test_renewals_reload_their_script_after_a_flush(redis_server: BaseServer) -> None:
+    """A server with an empty script cache (a restart, a failover) still renews a batch."""
+    async with RedisProvider(redis_server.url) as p:
+        groups = [group() for _ in range(5)]
+        terms = await asyncio.gather(*(p.try_acquire(g, "a", 10.0, {}) for g in groups))
+        admin = Redis.from_url(redis_server.url)
+        try:
+            await admin.script_flush()
+        finally:
+            await admin.aclose()
+        renewing = (
+            p.renew(g, "a", t.token, 10.0, {}) for g, t in zip(groups, terms, strict=True) if t
+        )
+        assert await asyncio.gather(*renewing) == [True] * 5
+
+
+async def test_a_failed_pipeline_fails_each_of_its_renewals(redis_server: BaseServer) -> None:
+    require_control(redis_server)
+    async with RedisProvider(redis_server.url, socket_timeout=0.5) as p:
+        groups = [group() for _ in range(5)]
+        terms = await asyncio.gather(*(p.try_acquire(g, "a", 10.0, {}) for g in groups))
+        with frozen(redis_server):
+            renewing = (
+                p.renew(g, "a", t.token, 10.0, {}) for g, t in zip(groups, terms, strict=True) if t
+            )
+            results = await asyncio.gather(*renewing, return_exceptions=True)
+        assert [type(r) for r in results] == [ProviderError] * 5
+        assert len({id(r.__cause__) for r in results}) == 5, "each caller its own error"
+
+
 # -- dead and frozen servers, clients ----------------------------------------------------------
 
 

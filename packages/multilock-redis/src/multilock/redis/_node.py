@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 import functools
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -147,7 +148,13 @@ class _Calls(DriverCalls):
         specific.__suppress_context__ = True
         return specific
 
-    async def call(self, op: str, call: Awaitable[T], *, limit: float | None = None) -> T:
+    async def call(
+        self, op: str, call: Awaitable[T], *, limit: float | None = None, slot: bool = True
+    ) -> T:
+        """One driver call; *slot*: it takes a pool connection (a queued renewal does
+        not: the pipeline that sends it takes one for all)."""
+        if not slot:
+            return await super().call(op, call, limit=limit)
         try:
             await self._slots.acquire(first=op in _FIRST)
         except BaseException:
@@ -159,6 +166,18 @@ class _Calls(DriverCalls):
         finally:
             self._slots.release()
 
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """A pool connection for a pipeline of renewals: before every other call."""
+        await self._slots.acquire(first=True)
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
+#: A renewal waiting for its pipeline: the script's keys and args, and its caller's reply.
+_Due = tuple[list[str], list[str | int], asyncio.Future[Any]]
 
 #: The calls that keep a won term: they take a free connection before any other call.
 _FIRST = frozenset({"renew", "release"})
@@ -219,7 +238,7 @@ class Node:
     def __init__(
         self,
         client: Redis,
-        calls: DriverCalls,
+        calls: _Calls,
         *,
         owned: bool,
         settings: Settings,
@@ -243,6 +262,9 @@ class Node:
         #: message said. Kept only while the listener is subscribed.
         self._hints: dict[str, float | None] = {}
         self._reading: dict[str, asyncio.Future[float | None]] = {}
+        #: Renewals asked for in this loop turn, sent together at its end (`_send_due`).
+        self._due: list[_Due] = []
+        self._sending: set[asyncio.Task[None]] = set()
 
     @classmethod
     def build(
@@ -368,16 +390,21 @@ class Node:
         """
         lease, _, _ = self._keys(group)
         args: list[str | int] = [participant_id, token, lease_ms, metadata]
-        write = self._write(self._renew, [lease], args, lease_ms)
         sent = asyncio.get_running_loop().time()
-        reply, replicas = await self.calls.call("renew", write, limit=within)
+        wanted = self.settings.wait_replicas
+        if wanted:
+            write = self._write(self._renew, [lease], args, lease_ms)
+            reply, replicas = await self.calls.call("renew", write, limit=within)
+        else:
+            queued = self._queued([lease], args)
+            reply = await self.calls.call("renew", queued, limit=within, slot=False)
+            replicas = None
         renewed = int(reply) == 1
         if renewed:
             # A renewal publishes nothing: note the lease's new end (no earlier than this)
             # for the watches here, the leader's own among them, which would else read
             # PTTL once per lease when the end they last heard of comes.
             self._note(group, sent + lease_ms / 1000)
-        wanted = self.settings.wait_replicas
         if renewed and replicas is not None and replicas < wanted:
             raise ProviderError(
                 f"redis renew of {group!r} on {self.label}: only {replicas} of the "
@@ -385,6 +412,78 @@ class Node:
                 f"{self.settings.wait_ms(lease_ms)} ms (wait_replicas): not counted"
             )
         return renewed
+
+    async def _queued(self, keys: list[str], args: list[str | int]) -> Any:
+        """The RENEW script's reply for *keys* and *args*, sent in one pipeline with every
+        other renewal asked for in this loop turn.
+
+        A process leading thousands of groups renews hundreds of them a second; the busier
+        its loop, the more are due in one turn, and each pipeline costs one pool
+        connection, one send and one task instead of one each. A renewal cancelled (or
+        timed out) before its turn ends is not sent; one cancelled after that is in doubt,
+        as any cancelled call is. A failed pipeline fails each of its renewals.
+        """
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[Any] = loop.create_future()
+        if not self._due:
+            loop.call_soon(self._send_due)
+        self._due.append((keys, args, reply))
+        return await reply
+
+    def _send_due(self) -> None:
+        due = [item for item in self._due if not item[2].done()]
+        self._due = []
+        if due:
+            task = asyncio.ensure_future(self._send(due))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, due: list[_Due]) -> None:
+        replies: list[Any]
+        cancelled: BaseException | None = None
+        try:
+            async with self.calls.slot(), asyncio.timeout(self.calls.timeout):
+                due = [item for item in due if not item[2].done()]  # whose callers wait
+                if not due:
+                    return  # they all left while it waited for a connection: send nothing
+                if self._check is not None:
+                    await self._check()
+                replies = await self._pipeline(self._renew, [(k, a) for k, a, _ in due])
+        except Exception as exc:
+            replies = [exc] * len(due)
+        except BaseException as exc:  # the provider is closing
+            cancelled, replies = exc, [ConnectionError("the renewals were cancelled")] * len(due)
+        for (_, _, reply), result in zip(due, replies, strict=True):
+            if reply.done():
+                continue  # its caller left
+            if isinstance(result, Exception):
+                own = copy.copy(result)  # each caller raises its own: no shared traceback
+                own.__cause__ = result.__cause__
+                reply.set_exception(own)
+            else:
+                reply.set_result(result)
+        if cancelled is not None:
+            raise cancelled
+
+    async def _pipeline(
+        self, script: AsyncScript, calls: list[tuple[list[str], list[str | int]]]
+    ) -> list[Any]:
+        """Run *script* once per (keys, args) in one pipeline; each reply or its error."""
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for loaded in (False, True):
+            pipe = self.client.pipeline(transaction=False)
+            for i in todo:
+                keys, args = calls[i]
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            for i, reply in zip(todo, await pipe.execute(raise_on_error=False), strict=True):
+                replies[i] = reply
+            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
+            if not todo or loaded:
+                break
+            # A new master (a failover) or a restart has an empty script cache.
+            script.sha = await self.client.script_load(script.script)
+        return replies
 
     async def release(
         self,
@@ -521,6 +620,9 @@ class Node:
         if self.calls.closed:
             return
         self.calls.closed = True
+        for task in list(self._sending):
+            task.cancel()
+        await asyncio.gather(*self._sending, return_exceptions=True)
         for close in self._closers:
             try:
                 await close()
