@@ -301,20 +301,26 @@ async def test_watch_wakes_when_the_lease_expires(url: str) -> None:
             await watch.aclose()  # type: ignore[attr-defined]
 
 
+def row_reads(provider: PostgresProvider) -> list[str]:
+    """The operations that read a lease's end through *provider* from now on, counted."""
+    reads: list[str] = []
+    query = provider._query
+
+    async def counted(op: str, sql: Any, params: Any) -> Any:
+        if sql is provider._sql.expires_in:
+            reads.append(op)
+        return await query(op, sql, params)
+
+    provider._query = counted  # type: ignore[method-assign]
+    return reads
+
+
 async def test_a_leaders_renewals_spare_its_own_watch_the_expiry_reads(url: str) -> None:
     # A leader's own election watches its group too. Renewals notify nobody, so without a
     # note of them that watch would read the row once per lease, when the end it last
     # heard of came. A successful renewal notes the new end.
     async with PostgresProvider(url) as provider:
-        reads: list[str] = []
-        query = provider._query
-
-        async def counted(op: str, sql: Any, params: Any) -> Any:
-            if sql is provider._sql.expires_in:
-                reads.append(op)
-            return await query(op, sql, params)
-
-        provider._query = counted  # type: ignore[method-assign]
+        reads = row_reads(provider)
         await lead_through(provider, fresh(), leases=3)
         assert len(reads) <= 1, f"the leader's watch read the row {len(reads)} times"
 
@@ -342,15 +348,7 @@ async def test_a_cancelled_renewal_notes_no_new_end(url: str) -> None:
                 await renewal
             await blocker.rollback()
         assert group not in provider._notified, "a cancelled renewal noted a new end"
-        reads: list[str] = []
-        query = provider._query
-
-        async def counted(op: str, sql: Any, params: Any) -> Any:
-            if sql is provider._sql.expires_in:
-                reads.append(op)
-            return await query(op, sql, params)
-
-        provider._query = counted  # type: ignore[method-assign]
+        reads = row_reads(provider)
         left = await provider._expires_in(group)
         assert reads == ["watch"], "the expiry was answered without reading the row"
         assert left is not None, "the lease, live for 5 s, was not found"

@@ -696,6 +696,19 @@ async def test_many_concurrent_calls_share_a_bounded_pool(redis_server: BaseServ
             await admin.aclose()
 
 
+def pttl_reads(node: Any) -> list[str]:
+    """The groups whose lease *node* reads from now on (its PTTL reads, counted)."""
+    reads: list[str] = []
+    read = node._pttl
+
+    async def counted(group: str) -> float | None:
+        reads.append(group)
+        return await read(group)
+
+    node._pttl = counted
+    return reads
+
+
 async def test_a_leaders_renewals_spare_its_own_watch_the_expiry_reads(
     redis_server: BaseServer,
 ) -> None:
@@ -705,14 +718,7 @@ async def test_a_leaders_renewals_spare_its_own_watch_the_expiry_reads(
     # of a process leading many groups. A successful renewal notes the new expiry.
     async with RedisProvider(redis_server.url) as provider:
         node = provider._node
-        reads: list[str] = []
-        read = node._pttl
-
-        async def counted(group: str) -> float | None:
-            reads.append(group)
-            return await read(group)
-
-        node._pttl = counted  # type: ignore[method-assign]
+        reads = pttl_reads(node)
         await lead_through(provider, group(), leases=3)
         assert len(reads) <= 1, f"the leader's watch read the lease {len(reads)} times"
 
@@ -743,14 +749,7 @@ async def test_a_cancelled_renewal_notes_no_new_end(redis_server: BaseServer) ->
         finally:
             await admin.execute_command("CLIENT", "UNPAUSE")
         assert name not in node._hints, f"a cancelled renewal noted {node._hints[name]}"
-        reads: list[str] = []
-        read = node._pttl
-
-        async def counted(group: str) -> float | None:
-            reads.append(group)
-            return await read(group)
-
-        node._pttl = counted  # type: ignore[method-assign]
+        reads = pttl_reads(node)
         left = await node.expires_in(name)
         assert reads == [name], "the expiry was answered without asking the store"
         assert left is not None, "the lease, live for 5 s, was not found"
