@@ -365,6 +365,44 @@ async def _waits_for_a_lock(url: str) -> bool:
         return row is not None and int(row[0]) > 0
 
 
+async def test_renewals_of_one_loop_turn_share_one_statement(url: str) -> None:
+    # 20 renewals asked for at once reach the server in one statement; one cancelled
+    # before its turn ends is not sent, and one with a stale token is refused alone.
+    groups = [fresh() for _ in range(20)]
+    async with PostgresProvider(url) as provider:
+        terms = await asyncio.gather(*(provider.try_acquire(g, "p1", 10.0, {}) for g in groups))
+        tokens = [t.token for t in terms if t is not None]
+        assert len(tokens) == 20
+        statements: list[bytes] = []
+        run = provider._connections.run
+
+        async def counted(query: bytes, params: Any) -> Any:
+            statements.append(query)
+            return await run(query, params)
+
+        provider._connections.run = counted  # type: ignore[method-assign]
+        renewals = [
+            asyncio.ensure_future(provider.renew(g, "p1", t + (i == 1), 30.0, {"n": str(i)}))
+            for i, (g, t) in enumerate(zip(groups, tokens, strict=True))
+        ]
+        renewals[0].cancel()  # before the loop turn that sends them ends
+        done = await asyncio.gather(*renewals[1:])
+        assert done == [False] + [True] * 18
+        assert renewals[0].cancelled()
+        assert statements == [provider._sql.renew_many], "not one statement for the turn"
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cursor = await conn.execute(
+            "SELECT group_name, extract(epoch FROM expires_at - clock_timestamp()), metadata"
+            " FROM multilock_leases WHERE group_name = ANY(%s)",
+            [groups],
+        )
+        rows = {g: (left, meta) for g, left, meta in await cursor.fetchall()}
+    assert rows[groups[0]][0] <= 10, "cancelled: not sent"
+    assert rows[groups[1]][0] <= 10, "a stale token: refused"
+    assert min(rows[g][0] for g in groups[2:]) > 10, "renewed to 30 s"
+    assert [rows[g][1] for g in groups[2:]] == [{"n": str(i)} for i in range(2, 20)]
+
+
 async def test_statement_timeout_bounds_a_blocked_call(url: str) -> None:
     group = fresh()
     async with PostgresProvider(url, statement_timeout=0.5) as p:

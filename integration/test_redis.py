@@ -840,7 +840,7 @@ async def test_a_renewal_whose_caller_left_before_a_connection_freed_is_not_sent
                 await asyncio.sleep(0.01)
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(provider.renew(name, "a", info.token, 60.0, {}), 0.2)
-            sending = list(provider._node._sending)
+            sending = list(provider._node._renewals._sending)
             assert sending, "no pipeline waits for the connection"
         finally:
             await admin.execute_command("CLIENT", "UNPAUSE")

@@ -15,6 +15,8 @@ A backend imports only from here (and `multilock.core`'s public names), never fr
 - `Notifications`: one listener (one connection) per provider, fanned out to the watches
   of every group, waking each also when the lease it saw is due to end.
 - `poll_watch` and `Observed`: the watch of a store that cannot notify.
+- `Batches`: send the calls of one kind asked for in one loop turn together (the
+  renewals of a process leading many groups: one pipeline, one statement).
 - `to_seconds`, `validate_name`, `validate_metadata`: for a provider's own settings
   (URL options, constructor arguments); `validate_identifier` for SQL schema and table
   names.
@@ -29,6 +31,7 @@ A backend imports only from here (and `multilock.core`'s public names), never fr
   for a slow cancellation.
 """
 
+from ._batches import Batches
 from ._calls import call_until, raise_if_cancelled
 from ._driver import DriverCalls
 from ._errors import ConfigurationError, ProviderError
@@ -41,6 +44,7 @@ from ._watching import EXPIRY_SLACK, Notifications, Observed, poll_watch
 
 __all__ = [
     "EXPIRY_SLACK",
+    "Batches",
     "ConfigurationError",
     "DriverCalls",
     "LeaderInfo",

@@ -42,6 +42,7 @@ created again. What survives the failover is the replication's business: see the
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, timedelta
 from typing import Any
@@ -51,6 +52,7 @@ from psycopg import errors
 from psycopg.types.json import Jsonb
 
 from multilock.core.provider import (
+    Batches,
     LeaderInfo,
     Notifications,
     Provider,
@@ -62,6 +64,9 @@ from ._calls import PostgresCalls
 from ._connections import Connections, Source
 from ._conninfo import split_options
 from ._sql import Statements, validate_identifier
+
+#: One renewal for `_renew_many`: group, participant, token, lease seconds, metadata JSON.
+_Renewal = tuple[str, str, int, float, str]
 
 __all__ = ["PostgresProvider"]
 
@@ -112,6 +117,10 @@ class PostgresProvider(Provider):
         self._notified: dict[str, float | None] = {}
         self._setup_lock = asyncio.Lock()
         self._ready = False
+        #: Renewals asked for in one loop turn go in one statement.
+        self._renewals: Batches[_Renewal, bool] = Batches(
+            self._renew_many, timeout=self._calls.timeout
+        )
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> PostgresProvider:
@@ -198,16 +207,28 @@ class PostgresProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> bool:
-        params = {"group": group, "participant": participant_id, "lease": lease_duration}
-        params |= {"metadata": Jsonb(metadata), "token": token}
         sent = asyncio.get_running_loop().time()
-        renewed = bool(await self._query("renew", self._sql.renew, params))
+        renewal = (group, participant_id, token, lease_duration, json.dumps(dict(metadata)))
+        renewed = await self._calls.call("renew", self._renewals(renewal))
         if renewed:
             # A renewal notifies nobody: note the lease's new end (no earlier than this)
             # for the watches here, the leader's own among them, which would else read
             # the row once per lease when the end they last heard of comes.
             self._notified[group] = sent + lease_duration
         return renewed
+
+    async def _renew_many(self, renewals: list[_Renewal]) -> list[bool]:
+        """Renew a batch in one statement; whether each was renewed (`Batches`)."""
+        await self._ensure_table()
+        names = ("groups", "participants", "tokens", "leases", "metadata")
+        params = {name: [r[i] for r in renewals] for i, name in enumerate(names)}
+        try:
+            rows = await self._connections.run(self._sql.renew_many, params)
+        except errors.UndefinedTable:
+            self._ready = False  # dropped, or lost in a failover: made again next call
+            raise
+        renewed = {tuple(row) for row in rows}
+        return [(g, p, t) in renewed for g, p, t, _, _ in renewals]
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
         params = {"group": group, "participant": participant_id, "token": token}
@@ -278,5 +299,6 @@ class PostgresProvider(Provider):
     async def aclose(self) -> None:
         """Close the connections this provider opened; later calls raise. Idempotent."""
         self._calls.closed = True
+        await self._renewals.aclose()
         await self._notifications.aclose()
         await self._connections.aclose()

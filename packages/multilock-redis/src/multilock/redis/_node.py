@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import copy
 import functools
 import json
 import logging
@@ -34,6 +33,7 @@ from redis.exceptions import (
 )
 
 from multilock.core.provider import (
+    Batches,
     DriverCalls,
     LeaderInfo,
     ProviderError,
@@ -176,9 +176,6 @@ class _Calls(DriverCalls):
             self._slots.release()
 
 
-#: A renewal waiting for its pipeline: the script's keys and args, and its caller's reply.
-_Due = tuple[list[str], list[str | int], asyncio.Future[Any]]
-
 #: The calls that keep a won term: they take a free connection before any other call.
 _FIRST = frozenset({"renew", "release"})
 
@@ -262,9 +259,11 @@ class Node:
         #: message said. Kept only while the listener is subscribed.
         self._hints: dict[str, float | None] = {}
         self._reading: dict[str, asyncio.Future[float | None]] = {}
-        #: Renewals asked for in this loop turn, sent together at its end (`_send_due`).
-        self._due: list[_Due] = []
-        self._sending: set[asyncio.Task[None]] = set()
+        #: Renewals asked for in one loop turn go in one pipeline, on a connection taken
+        #: before other calls' (`Slots`): one send and one reply read for all of them.
+        self._renewals: Batches[tuple[list[str], list[str | int]], Any] = Batches(
+            self._renew_many, timeout=calls.timeout, slot=calls.slot
+        )
 
     @classmethod
     def build(
@@ -396,7 +395,7 @@ class Node:
             write = self._write(self._renew, [lease], args, lease_ms)
             reply, replicas = await self.calls.call("renew", write, limit=within)
         else:
-            queued = self._queued([lease], args)
+            queued = self._renewals(([lease], args))
             reply = await self.calls.call("renew", queued, limit=within, slot=False)
             replicas = None
         renewed = int(reply) == 1
@@ -413,57 +412,11 @@ class Node:
             )
         return renewed
 
-    async def _queued(self, keys: list[str], args: list[str | int]) -> Any:
-        """The RENEW script's reply for *keys* and *args*, sent in one pipeline with every
-        other renewal asked for in this loop turn.
-
-        A process leading thousands of groups renews hundreds of them a second; the busier
-        its loop, the more are due in one turn, and each pipeline costs one pool
-        connection, one send and one task instead of one each. A renewal cancelled (or
-        timed out) before its turn ends is not sent; one cancelled after that is in doubt,
-        as any cancelled call is. A failed pipeline fails each of its renewals.
-        """
-        loop = asyncio.get_running_loop()
-        reply: asyncio.Future[Any] = loop.create_future()
-        if not self._due:
-            loop.call_soon(self._send_due)
-        self._due.append((keys, args, reply))
-        return await reply
-
-    def _send_due(self) -> None:
-        due = [item for item in self._due if not item[2].done()]
-        self._due = []
-        if due:
-            task = asyncio.ensure_future(self._send(due))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
-
-    async def _send(self, due: list[_Due]) -> None:
-        replies: list[Any]
-        cancelled: BaseException | None = None
-        try:
-            async with self.calls.slot(), asyncio.timeout(self.calls.timeout):
-                due = [item for item in due if not item[2].done()]  # whose callers wait
-                if not due:
-                    return  # they all left while it waited for a connection: send nothing
-                if self._check is not None:
-                    await self._check()
-                replies = await self._pipeline(self._renew, [(k, a) for k, a, _ in due])
-        except Exception as exc:
-            replies = [exc] * len(due)
-        except BaseException as exc:  # the provider is closing
-            cancelled, replies = exc, [ConnectionError("the renewals were cancelled")] * len(due)
-        for (_, _, reply), result in zip(due, replies, strict=True):
-            if reply.done():
-                continue  # its caller left
-            if isinstance(result, Exception):
-                own = copy.copy(result)  # each caller raises its own: no shared traceback
-                own.__cause__ = result.__cause__
-                reply.set_exception(own)
-            else:
-                reply.set_result(result)
-        if cancelled is not None:
-            raise cancelled
+    async def _renew_many(self, calls: list[tuple[list[str], list[str | int]]]) -> list[Any]:
+        """The RENEW script's replies for a batch of renewals, in one pipeline (`Batches`)."""
+        if self._check is not None:
+            await self._check()
+        return await self._pipeline(self._renew, calls)
 
     async def _pipeline(
         self, script: AsyncScript, calls: list[tuple[list[str], list[str | int]]]
@@ -620,9 +573,7 @@ class Node:
         if self.calls.closed:
             return
         self.calls.closed = True
-        for task in list(self._sending):
-            task.cancel()
-        await asyncio.gather(*self._sending, return_exceptions=True)
+        await self._renewals.aclose()
         for close in self._closers:
             try:
                 await close()

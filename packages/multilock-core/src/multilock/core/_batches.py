@@ -1,0 +1,98 @@
+"""`Batches`: the calls of one kind asked for in one loop turn, sent to the store together.
+
+A process leading thousands of groups renews hundreds of them a second. Sent one by one,
+each renewal costs a connection checkout, a send, a reply read and a task; sent together,
+the busier the loop, the more share one. A provider hands `Batches` the function that
+sends a list of items at once (a pipeline, one statement over arrays) and awaits
+``batches(item)`` where it would have sent the item alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Batches"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: What `Batches` calls before sending, once per batch: e.g. take a pool connection.
+Slot = Callable[[], contextlib.AbstractAsyncContextManager[Any]]
+
+
+class Batches(Generic[T, R]):
+    """Send the items asked for in one loop turn together, at the end of that turn.
+
+    *send* gets the items of one batch and returns one reply per item, in order: its
+    result, or an exception for that item alone. An exception *send* raises fails every
+    item of the batch; each caller gets its own copy, so none shares a traceback.
+
+    *slot*, if given, is entered before the batch is sent, and *timeout* (seconds) bounds
+    the slot's wait and the send together. An item whose caller has left (cancelled, or
+    timed out) by the time the slot is taken is not sent; a batch with none left sends
+    nothing. A caller that leaves after that has its item in doubt, as any cancelled call.
+    """
+
+    def __init__(
+        self,
+        send: Callable[[list[T]], Awaitable[Sequence[R | Exception]]],
+        *,
+        timeout: float,
+        slot: Slot | None = None,
+    ) -> None:
+        self._send_items = send
+        self._timeout = timeout
+        self._slot: Slot = slot or contextlib.nullcontext
+        self._due: list[tuple[T, asyncio.Future[R]]] = []
+        self._sending: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, item: T) -> R:
+        """Queue *item* for this loop turn's batch; return its reply (or raise its error)."""
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[R] = loop.create_future()
+        if not self._due:
+            loop.call_soon(self._flush)
+        self._due.append((item, reply))
+        return await reply
+
+    def _flush(self) -> None:
+        due, self._due = [d for d in self._due if not d[1].done()], []
+        if due:
+            task = asyncio.ensure_future(self._send(due))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, due: list[tuple[T, asyncio.Future[R]]]) -> None:
+        replies: Sequence[R | Exception]
+        cancelled: BaseException | None = None
+        try:
+            async with asyncio.timeout(self._timeout), self._slot():
+                due = [d for d in due if not d[1].done()]  # whose callers still wait
+                if not due:
+                    return
+                replies = await self._send_items([item for item, _ in due])
+        except Exception as exc:
+            replies = [exc] * len(due)
+        except BaseException as exc:  # the provider is closing
+            cancelled, replies = exc, [ConnectionError("the batch was cancelled")] * len(due)
+        for (_, reply), result in zip(due, replies, strict=True):
+            if reply.done():
+                continue  # its caller left
+            if isinstance(result, Exception):
+                own = copy.copy(result)
+                own.__cause__, own.__context__ = result.__cause__, result.__context__
+                reply.set_exception(own)
+            else:
+                reply.set_result(result)
+        if cancelled is not None:
+            raise cancelled
+
+    async def aclose(self) -> None:
+        """Cancel the batches being sent (their callers fail) and wait for them."""
+        for task in list(self._sending):
+            task.cancel()
+        await asyncio.gather(*self._sending, return_exceptions=True)

@@ -1,0 +1,133 @@
+"""`Batches`, the kit's sender of the calls asked for in one loop turn, in virtual time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from multilock.core.provider import Batches
+from multilock.core.testing import FakeClock
+
+
+def run(body):  # type: ignore[no-untyped-def]
+    return FakeClock().run(body())
+
+
+class Store:
+    """Records each batch it is sent; answers an item "bad" with an error of its own."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.failure: Exception | None = None
+
+    async def send(self, items: list[str]) -> Sequence[str | Exception]:
+        self.batches.append(items)
+        await asyncio.sleep(0.01)
+        if self.failure is not None:
+            raise self.failure
+        return [ValueError(i) if i == "bad" else i.upper() for i in items]
+
+
+def test_one_turn_is_one_batch_and_each_caller_gets_its_own_reply() -> None:
+    async def body() -> None:
+        store = Store()
+        batches: Batches[str, str] = Batches(store.send, timeout=1)
+        calls = [batches(item) for item in ("a", "bad", "c")]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert results[0] == "A"
+        assert isinstance(results[1], ValueError)
+        assert results[2] == "C"
+        assert store.batches == [["a", "bad", "c"]]
+        assert await batches("d") == "D"  # a later turn: a batch of its own
+        assert store.batches[1:] == [["d"]]
+
+    run(body)
+
+
+def test_a_failed_send_fails_every_caller_with_its_own_error() -> None:
+    async def body() -> None:
+        store = Store()
+        store.failure = ConnectionError("down")
+        batches: Batches[str, str] = Batches(store.send, timeout=1)
+        results = await asyncio.gather(batches("a"), batches("b"), return_exceptions=True)
+        assert [type(r) for r in results] == [ConnectionError, ConnectionError]
+        assert results[0] is not results[1], "one error object shared by two callers"
+
+    run(body)
+
+
+def test_a_caller_that_left_before_the_turn_ended_is_not_sent() -> None:
+    async def body() -> None:
+        store = Store()
+        batches: Batches[str, str] = Batches(store.send, timeout=1)
+        left = asyncio.ensure_future(batches("a"))
+        stays = asyncio.ensure_future(batches("b"))
+        await asyncio.sleep(0)  # both queued for this turn's batch
+        left.cancel()
+        assert await stays == "B"
+        assert left.cancelled()
+        assert store.batches == [["b"]]
+
+    run(body)
+
+
+def test_callers_that_left_while_the_slot_was_taken_are_not_sent() -> None:
+    async def body() -> None:
+        store = Store()
+        lock = asyncio.Lock()
+
+        @contextlib.asynccontextmanager
+        async def slot() -> AsyncIterator[None]:
+            async with lock:
+                yield
+
+        batches: Batches[str, str] = Batches(store.send, timeout=5, slot=slot)
+        await lock.acquire()  # the slot is busy
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(batches("a"), 0.5)
+        late = asyncio.ensure_future(batches("b"))
+        await asyncio.sleep(0.1)  # its batch waits for the slot too
+        lock.release()
+        assert await late == "B"
+        assert store.batches == [["b"]], "a batch whose callers all left was sent"
+
+    run(body)
+
+
+def test_the_timeout_bounds_the_slot_and_the_send() -> None:
+    async def body() -> None:
+        store = Store()
+        lock = asyncio.Lock()
+
+        @contextlib.asynccontextmanager
+        async def slot() -> AsyncIterator[None]:
+            async with lock:
+                yield
+
+        batches: Batches[str, str] = Batches(store.send, timeout=0.2, slot=slot)
+        await lock.acquire()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            await batches("a")
+        assert loop.time() - started == pytest.approx(0.2)
+        assert store.batches == []
+
+    run(body)
+
+
+def test_aclose_fails_the_batch_being_sent() -> None:
+    async def body() -> None:
+        store = Store()
+        batches: Batches[str, str] = Batches(store.send, timeout=1)
+        call = asyncio.ensure_future(batches("a"))
+        await asyncio.sleep(0.001)  # sent, its reply not yet in
+        assert store.batches == [["a"]]
+        await batches.aclose()
+        with pytest.raises(ConnectionError):
+            await call
+
+    run(body)
