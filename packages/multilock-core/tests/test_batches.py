@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -29,6 +30,13 @@ class Store:
         if self.failure is not None:
             raise self.failure
         return [ValueError(i) if i == "bad" else i.upper() for i in items]
+
+
+@contextlib.asynccontextmanager
+async def held(lock: asyncio.Lock) -> AsyncIterator[None]:
+    """A slot that is *lock*: busy while the test holds it."""
+    async with lock:
+        yield
 
 
 def test_one_turn_is_one_batch_and_each_caller_gets_its_own_reply() -> None:
@@ -78,12 +86,7 @@ def test_callers_that_left_while_the_slot_was_taken_are_not_sent() -> None:
     async def body() -> None:
         store = Store()
         lock = asyncio.Lock()
-
-        @contextlib.asynccontextmanager
-        async def slot() -> AsyncIterator[None]:
-            async with lock:
-                yield
-
+        slot = functools.partial(held, lock)
         batches: Batches[str, str] = Batches(store.send, timeout=5, slot=slot)
         await lock.acquire()  # the slot is busy
         with pytest.raises(TimeoutError):
@@ -101,12 +104,7 @@ def test_the_timeout_bounds_the_slot_and_the_send() -> None:
     async def body() -> None:
         store = Store()
         lock = asyncio.Lock()
-
-        @contextlib.asynccontextmanager
-        async def slot() -> AsyncIterator[None]:
-            async with lock:
-                yield
-
+        slot = functools.partial(held, lock)
         batches: Batches[str, str] = Batches(store.send, timeout=0.2, slot=slot)
         await lock.acquire()
         loop = asyncio.get_running_loop()
