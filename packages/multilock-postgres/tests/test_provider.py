@@ -96,7 +96,7 @@ def test_only_acquire_and_release_notify() -> None:
     channel = channel_name("public", "multilock_leases")
     assert sql.listen.decode() == f'LISTEN "{channel}"'
     assert f"pg_notify('{channel}', group_name)" in sql.release.decode()
-    for quiet in (sql.renew, sql.leader, sql.expires_in):
+    for quiet in (sql.renew_many, sql.leader, sql.expires_in):
         assert b"notify" not in quiet
 
 

@@ -87,14 +87,6 @@ class Statements:
             " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
             " RETURNING t.token, t.acquired_at, pg_notify({to}, %(payload)s)::text"
         )
-        self.renew = q(
-            "UPDATE {t} AS t SET expires_at = c.now + make_interval(secs => %(lease)s),"
-            " metadata = %(metadata)s"
-            " FROM (SELECT clock_timestamp() AS now) AS c"
-            " WHERE t.group_name = %(group)s AND t.participant_id = %(participant)s"
-            " AND t.token = %(token)s AND t.expires_at > c.now"
-            " RETURNING t.token"
-        )
         # The renewals one loop turn asked for, in one statement (`Batches`): the same
         # condition for each (its participant, its token, a live lease), one clock reading.
         self.renew_many = q(
