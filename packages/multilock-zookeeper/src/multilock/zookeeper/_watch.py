@@ -2,8 +2,8 @@
 
 A view is a group as its watches show it: its candidates (a children watch) and a data
 watch on the lowest, the leader. kazoo's threads hop to the loop, which alone keeps the
-views (no lock); a generation number drops a reply sent before a change the loop saw
-first. Watches wake when the leader changes: its node's deletion (applied at once, with no
+views (no lock); a listing's reply is applied only if no change the loop saw came after it
+was sent. Watches wake when the leader changes: its node's deletion (applied at once, with no
 read: nodes only come after it), a listing with another lowest node, a change of its
 record (a term began), any connection state change (every view is then stale, and listed
 again once CONNECTED).
@@ -96,10 +96,8 @@ class View:
     path: str
     line: list[tuple[int, str]] = attrs.field(factory=list)  # candidates, lowest first
     current: bool = False  # the group as of the last change ZooKeeper reported
-    armed: bool = False  # the children watch is set
-    pending: bool = False  # a listing is on its way
+    listing: asyncio.Future[Any] | None = None  # on its way; current and none: watch armed
     expected: bool = False  # the next children event is the leader's deletion, applied
-    generation: int = 0
     head: str | None = None  # the leader node, read with a data watch
     events: set[asyncio.Event] = attrs.field(factory=set)
     on_event: Callable[[Any], None] = print  # kazoo keeps a function once: one per view
@@ -131,26 +129,27 @@ class Views:
 
     def _list(self, view: View, notify: bool) -> asyncio.Future[Any]:
         """List *view*'s group with a children watch; with *notify*, wake on news."""
-        view.generation += 1
-        view.pending, view.armed = True, False
         reply = future(self.client.get_children_async(view.path, view.on_event), None)
-        reply.add_done_callback(functools.partial(self._listed, view, view.generation, notify))
+        reply.add_done_callback(functools.partial(self._listed, view, notify))
+        view.listing = reply
         return reply
 
-    def _listed(self, view: View, sent: int, notify: bool, reply: asyncio.Future[Any]) -> None:
-        if sent != view.generation:
+    def _listed(self, view: View, notify: bool, reply: asyncio.Future[Any]) -> None:
+        if reply is not view.listing:
             return  # a change (or a state change) came after it was sent
-        view.pending = False
+        view.listing = None
         children = None if reply.cancelled() or reply.exception() else reply.result()
         if children is not None:
             line, seen = ordered(children), view.line[:1] if view.current else None
-            view.line, view.current, view.armed = line, True, True
+            view.line, view.current = line, True
             self._watch_head(view)
             if notify and line[:1] == seen:
                 return  # the same leader: a new candidate, or one behind it gone
             self._wake(view)  # a new leader, or (again) watched: look at the group now
-        elif notify:  # a failure: the watch lists again
-            self._wake(view)
+        else:  # a failure: no watch is set, so the view is not current; the watch lists again
+            view.current = False
+            if notify:
+                self._wake(view)
 
     def _watch_head(self, view: View) -> None:
         """Read the leader's record with a data watch: wake once its term is stamped."""
@@ -169,16 +168,15 @@ class Views:
         """The group's children watch or its leader's data watch fired."""
         if self._views.get(view.path) is not view or not event.path:
             return  # no path: a session event, see the listener
-        name = event.path.rpartition("/")[2]
         if event.path == view.path:
             view.current, view.expected = view.expected and view.current, False
             with contextlib.suppress(*self._calls.failures):
                 self._list(view, notify=True)
-        elif name == view.head:
+        elif (name := event.path.rpartition("/")[2]) == view.head:
             view.head = None  # its watch fired: set a new one
             if view.current and event.type == EventType.DELETED:
                 view.line = [c for c in view.line if c[1] != name]
-                view.expected = view.armed  # its children event comes next
+                view.expected = view.listing is None  # its children event comes next
             if view.current:
                 self._wake(view)  # the leader is gone, or its record changed (a term began)
                 self._watch_head(view)
@@ -186,26 +184,24 @@ class Views:
     def state_changed(self, _state: Any = None) -> None:
         """A connection state change: every view is stale, every watch wakes."""
         for view in self._views.values():
-            view.generation += 1
-            view.current = view.armed = view.expected = view.pending = False
-            view.head = None
+            view.current = view.expected = False
+            view.listing = view.head = None
             self._wake(view)
 
     async def watch(self, group: str, connect: Callable[[], Awaitable[Any]]) -> AsyncIterator[None]:
         """Yield once the group is watched, then whenever it or the connection changes."""
         await connect()
         path = f"{self._root}/{group}"
-        view = self._views.get(path)
-        if view is None:
+        if (view := self._views.get(path)) is None:
             view = self._views[path] = View(path)
             view.on_event = functools.partial(hop, asyncio.get_running_loop(), self._changed, view)
         event = asyncio.Event()
         view.events.add(event)
-        if view.armed:
+        if view.current and view.listing is None:
             event.set()  # watched already: yield at once
         try:
             while not self._calls.closed:
-                if not view.armed and not view.pending and self.connected:
+                if not view.current and view.listing is None and self.connected:
                     await self._start(view)
                 await event.wait()
                 event.clear()
