@@ -22,7 +22,7 @@ import functools
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, unquote
@@ -209,8 +209,15 @@ class ZooKeeperProvider(Provider):
         self._listener = functools.partial(hop, loop, self._views.state_changed)
         client.add_listener(self._listener)
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
+    def _background(self, op: str, work: Callable[[], Awaitable[Any]], delay: float = 0.0) -> None:
+        """Call *work* after *delay* (at least one loop turn) in a task, its failure ignored."""
+
+        async def run() -> None:
+            await asyncio.sleep(delay)
+            with contextlib.suppress(ProviderError):
+                await self._calls.call(op, work())
+
+        task = asyncio.ensure_future(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -228,22 +235,16 @@ class ZooKeeperProvider(Provider):
         if node.name in [name for _, name in line[1:]]:
             self._arm(node, lease)
         else:
-            self._forget(node)
+            self._drop(node, delete=True)
 
-    def _drop(self, node: Node) -> None:
+    def _drop(self, node: Node, delete: bool = False) -> None:
+        """Forget *node* (and its timer); with *delete*, delete it in the background."""
         if self._nodes.get((node.group, node.pid)) is node:
             del self._nodes[node.group, node.pid]
         if node.timer is not None:
             node.timer.cancel()
-
-    def _forget(self, node: Node) -> None:
-        self._drop(node)
-        self._spawn(self._quietly("delete", lambda: self._remove(node)))
-
-    async def _quietly(self, op: str, work: Callable[[], Any], delay: float = 0.0) -> None:
-        await asyncio.sleep(delay)
-        with contextlib.suppress(ProviderError):
-            await self._calls.call(op, work())
+        if delete:
+            self._background("delete", lambda: self._remove(node))
 
     async def _remove(self, node: Node) -> None:
         """Delete *node* (by prefix if its create is in doubt), retrying while it may live."""
@@ -256,7 +257,7 @@ class ZooKeeperProvider(Provider):
                 await future(self._client.delete_async(self._path(node.group, name)), None)
         except (*FAILURES, asyncio.CancelledError):
             if not self._closed and self._session() in (None, node.session):
-                self._spawn(self._quietly("delete", lambda: self._remove(node), 0.5))
+                self._background("delete", lambda: self._remove(node), 0.5)
             raise
 
     async def try_acquire(
@@ -277,7 +278,8 @@ class ZooKeeperProvider(Provider):
             await asyncio.wait([work], timeout=self._settings.operation_timeout)
             for node in made:
                 self._drop(node)
-                await self._quietly("try_acquire", functools.partial(self._remove, node))
+                with contextlib.suppress(ProviderError):
+                    await self._calls.call("try_acquire", self._remove(node))
             raise
 
     async def _acquire(
@@ -303,8 +305,8 @@ class ZooKeeperProvider(Provider):
             return None  # queued behind the leader
         if node.acquired_at is None:  # its term starts: stamp the record, out of the way
             node.acquired_at = datetime.now(UTC)
-            stamp = functools.partial(self._quietly, "try_acquire", lambda: self._write(node, meta))
-            asyncio.get_running_loop().call_soon(lambda: self._spawn(stamp()))  # after ours
+            loop, write = asyncio.get_running_loop(), functools.partial(self._write, node, meta)
+            loop.call_soon(self._background, "try_acquire", write)  # after ours
             stored: Mapping[str, str] | None = meta
         elif (stored := node.stored) is None:
             return None  # a repeated call while the record is in doubt: get_leader finds it
@@ -356,7 +358,7 @@ class ZooKeeperProvider(Provider):
                 await self._write(node, meta)
                 self._arm(node, lease)
                 return True
-        self._forget(node)
+        self._drop(node, delete=True)
         return False
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
