@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "integration"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 #: Backends with a driver's floor in ``floor.py``.
-FLOORS = ("redis", "postgres", "etcd", "filesystem")
+FLOORS = ("redis", "postgres", "etcd", "filesystem", "zookeeper")
 
 
 def child(kind: str, url: str, count: int, lease: float) -> None:

@@ -26,6 +26,12 @@ Per store:
   it and fsyncs the directory (its token rose). The fsyncs are the durability every
   handoff on a file system must pay: a record that survives a power cut whole, and a
   token that never goes back.
+- ZooKeeper (kazoo's asynchronous API from the event loop, its callbacks run on its
+  connection thread and hop to the loop, as the provider's do): the follower's node is
+  already queued behind the leader's, with an exists watch on it, as in kazoo's recipes;
+  the leader deletes its node and the follower leads once that watch's event reaches the
+  loop. No acquire follows: the next node in line leads with no further request (kazoo's
+  ``Election`` lists the children first, one more round trip).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import queue
 import struct
 import time
 import uuid
@@ -55,6 +62,7 @@ OPERATIONS = {
     "etcd": "lease revoke, watch, lease grant + create-if-absent txn (aetcd)",
     "filesystem": "flock + write, fsync, rename; inotify; flock + write, fsync, rename, "
     "fsync of the directory (os, worker threads)",
+    "zookeeper": "delete of the leader's node; the next node's exists watch (kazoo async API)",
 }
 
 #: A leader's setup, a timed handoff (returns when the follower holds), the clean-up.
@@ -325,9 +333,82 @@ async def _filesystem(url: str) -> tuple[Round, Round, Round]:
     return take, hand_over, close
 
 
+async def _zookeeper(url: str) -> tuple[Round, Round, Round]:
+    from kazoo.client import KazooClient  # type: ignore[import-untyped]
+    from kazoo.handlers.threading import (  # type: ignore[import-untyped]
+        SequentialThreadingHandler,
+    )
+
+    class Inline(queue.Queue[Any]):
+        """kazoo's callback queue, run as filled on the connection thread (as the provider
+        has it): the callbacks below only hop to the loop."""
+
+        def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+            item() if callable(item) else super().put(item, block, timeout)
+
+    class Handler(SequentialThreadingHandler):  # type: ignore[misc]
+        queue_impl = Inline
+
+    loop = asyncio.get_running_loop()
+    hosts = urlsplit(url).netloc
+    leader, follower = KazooClient(hosts, handler=Handler()), KazooClient(hosts, handler=Handler())
+    await asyncio.gather(*(asyncio.to_thread(c.start, 10) for c in (leader, follower)))
+    root = f"/multilock-floor-{uuid.uuid4().hex}"
+
+    def reply(sent: Any) -> asyncio.Future[Any]:
+        done: asyncio.Future[Any] = loop.create_future()
+
+        def settle() -> None:
+            if sent.successful():
+                done.set_result(sent.value)
+            else:
+                done.set_exception(sent.exception)
+
+        sent.rawlink(lambda _: loop.call_soon_threadsafe(settle))
+        return done
+
+    await reply(leader.ensure_path_async(root))
+    nodes: dict[str, str] = {}  # who holds which node
+    woken: list[asyncio.Future[Any]] = []
+
+    async def take() -> None:
+        if "follower" in nodes:
+            await reply(follower.delete_async(nodes.pop("follower")))
+        nodes["leader"] = await reply(
+            leader.create_async(f"{root}/n-", ephemeral=True, sequence=True)
+        )
+        nodes["follower"] = await reply(
+            follower.create_async(f"{root}/n-", ephemeral=True, sequence=True)
+        )
+        event: asyncio.Future[Any] = loop.create_future()
+
+        def fired(watched: Any) -> None:
+            loop.call_soon_threadsafe(lambda: event.done() or event.set_result(watched.type))
+
+        if await reply(follower.exists_async(nodes["leader"], watch=fired)) is None:
+            raise RuntimeError("the leader's node is gone before the handoff")
+        woken[:] = [event]
+
+    async def hand_over() -> None:
+        deleted = reply(leader.delete_async(nodes.pop("leader")))
+        if await woken[0] != "DELETED":
+            raise RuntimeError(f"the follower's watch saw {woken[0].result()}, not DELETED")
+        await deleted
+
+    async def close() -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(leader.delete, root, recursive=True)
+        for client in (leader, follower):
+            await asyncio.to_thread(client.stop)
+            await asyncio.to_thread(client.close)
+
+    return take, hand_over, close
+
+
 _OPENERS: dict[str, Callable[[str], Awaitable[tuple[Round, Round, Round]]]] = {
     "redis": _redis,
     "postgres": _postgres,
     "etcd": _etcd,
     "filesystem": _filesystem,
+    "zookeeper": _zookeeper,
 }

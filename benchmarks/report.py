@@ -375,7 +375,10 @@ def _floor_table(results: dict[str, dict[str, Any]]) -> list[str]:
         + " The floor is several of the table above's round trips: those run back to back, "
         "while each handoff's steps meet a server and a client that were idle. On the file "
         "system the driver is the operating system (`os`, in worker threads as the "
-        "provider's calls are), the store a local directory and the notification inotify.",
+        "provider's calls are), the store a local directory and the notification inotify. "
+        "On ZooKeeper the follower's node already waits in line, so the floor has no acquire: "
+        "the leader's delete reaching the next node's exists watch on the loop (kazoo's "
+        "`Election` lists the children after that event, one more round trip).",
         "",
         "| backend | steps | handoffs | failed | floor p50 ms | floor p99 ms | multilock p50 ms "
         "| multilock p99 ms | multilock - floor (p50) ms |",

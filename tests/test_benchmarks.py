@@ -72,7 +72,7 @@ def test_benchmark_runner_measures_everything(tmp_path):
             assert crash[-1] == "ok", crash
 
     floor = section(text, 1).split("### The driver's floor")[1].split("\n### ")[0]
-    for backend in ("redis", "postgres", "etcd", "filesystem"):
+    for backend in ("redis", "postgres", "etcd", "filesystem", "zookeeper"):
         row = cells(floor, backend)
         assert row[2:4] == ["4", "0"], f"{backend}: floor handoffs/failed are {row[2:4]}"
         float(row[4])  # the floor's p50
