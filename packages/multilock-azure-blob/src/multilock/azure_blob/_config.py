@@ -30,6 +30,8 @@ from multilock.core.provider import (
     redact_url,
     split_url,
     to_seconds,
+    url_flag,
+    url_seconds,
 )
 
 __all__ = [
@@ -47,8 +49,6 @@ _CONTAINER = re.compile(r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}")
 _PREFIX = re.compile(r"[A-Za-z0-9_.\-/]{0,512}")
 #: Query parameters read by `parse_url`; everything else is an error.
 _OPTIONS = ("prefix", "poll_interval", "timeout", "api_version")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 def validate_container(name: object) -> str:
@@ -93,9 +93,7 @@ def parse_url(url: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     check_url_options((k for k, _ in pairs), known, scheme=SCHEME)
     query = dict(pairs)
     result: dict[str, Any] = {k: query.pop(k) for k in _OPTIONS if k in query}
-    secure = query.pop("secure", "true").lower()
-    if secure not in _TRUE + _FALSE:
-        raise ConfigurationError(f"secure={secure!r} in {shown}: use true or false")
+    secure = url_flag("secure", query.pop("secure", "true"))
     env = query.pop("connection_string_env", None)
     sas = query.pop("sas", None)
     segments = [unquote(s) for s in parts.path.split("/") if s]
@@ -116,7 +114,7 @@ def parse_url(url: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         )
     host = parts.hostname if port is None else f"{parts.hostname}:{port}"
     path = "".join(f"/{s}" for s in parts.path.split("/")[:-1] if s)
-    result["account_url"] = f"{'http' if secure in _FALSE else 'https'}://{host}{path}"
+    result["account_url"] = f"{'https' if secure else 'http'}://{host}{path}"
     if parts.password is not None:
         from azure.core.credentials import AzureNamedKeyCredential
 
@@ -128,15 +126,8 @@ def parse_url(url: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def seconds(value: float | timedelta | str, field: str) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigurationError(f"{field}={value!r} is not a number of seconds") from None
-    seconds = to_seconds(value, field)
-    if seconds <= 0:
-        raise ConfigurationError(f"{field} must be positive, not {seconds:g}")
-    return seconds
+    """*value* in seconds; a string (a URL's) is read as a number of seconds first."""
+    return to_seconds(url_seconds(field, value) if isinstance(value, str) else value, field)
 
 
 def secrets_of_credential(credential: Any) -> list[str]:

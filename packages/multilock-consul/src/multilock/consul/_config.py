@@ -23,6 +23,8 @@ from multilock.core.provider import (
     redact_url,
     split_url,
     to_seconds,
+    url_flag,
+    url_seconds,
 )
 
 __all__ = [
@@ -51,8 +53,6 @@ _SEGMENT = re.compile(r"[A-Za-z0-9_.\-]{1,255}")
 _DEFAULT_PORTS = {"http": 8500, "https": 8501}
 #: Query parameters a ``consul://`` URL may carry (keywords of `ConsulProvider`).
 _QUERY_KEYS = frozenset({"token", "dc", "prefix", "timeout", "watch_wait", "tls", "verify"})
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def validate_prefix(prefix: object) -> str:
@@ -90,15 +90,6 @@ def session_ttl(lease_duration: float) -> int:
     keeps leases within `LEASE_BOUNDS`, so the TTL is one Consul accepts.
     """
     return math.ceil(lease_duration)
-
-
-def _flag(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ConfigurationError(f"{name} must be true or false, got {value!r}")
 
 
 def parse_address(url: str) -> dict[str, Any]:
@@ -140,14 +131,14 @@ def parse_address(url: str) -> dict[str, Any]:
         if key == "tls":
             if scheme != "consul":
                 raise ConfigurationError(f"tls= only goes with consul:// ({shown})")
-            tls = _flag(key, value)
+            tls = url_flag(key, value)
         elif key == "verify":
-            found[key] = value if value.strip().lower() not in _TRUE | _FALSE else _flag(key, value)
-        elif key in ("timeout", "watch_wait"):
             try:
-                found[key] = float(value)
-            except ValueError:
-                raise ConfigurationError(f"{key} must be seconds, got {value!r}") from None
+                found[key] = url_flag(key, value)
+            except ConfigurationError:
+                found[key] = value  # a CA bundle's path
+        elif key in ("timeout", "watch_wait"):
+            found[key] = url_seconds(key, value)
         else:
             found[key] = value
     found["scheme"] = "https" if tls else "http"

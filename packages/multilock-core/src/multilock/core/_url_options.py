@@ -1,13 +1,15 @@
-"""`check_url_options`: refuse a URL's unknown query options, in one message for every backend.
+"""A URL's query options, read alike by every backend: `check_url_options` refuses unknown
+names; `url_seconds` and `url_flag` read the two kinds of value a URL carries as text.
 
 A typo in a URL option (``?sockettimeout=1``) must not surface as a driver's internal
 error, nor be ignored: each provider lists the options its URL takes (its own and those
 it passes to the driver) and calls this, so every backend says the same thing: which
 options are unknown, which are known, and the closest known name.
 
-The message names options, never their values and never the URL, so it holds no secret;
+Its message names options, never their values and never the URL, so it holds no secret;
 a name that does not look like an option name (it may be a mistyped secret) is described,
-not shown.
+not shown. `url_seconds` and `url_flag` run on options it has let through, so the value
+they quote belongs to a known option that is a number or a flag, never a secret.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from collections.abc import Iterable
 
 from ._errors import ConfigurationError
 
-__all__ = ["check_url_options"]
+__all__ = ["check_url_options", "url_flag", "url_seconds"]
+
+#: The words a flag option takes (any case, blanks around ignored).
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 #: What an option name looks like; anything else is not echoed (it may be a secret).
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
@@ -78,3 +84,26 @@ def check_url_options(
     if also:
         listed = f"{listed}, and {also}" if listed else also
     raise ConfigurationError(f"{message}; known: {listed or 'none'}")
+
+
+def url_seconds(name: str, value: str) -> float:
+    """The value of URL option *name*, a number of seconds (``"0.5"``, ``"10"``), as a float.
+
+    Raises `ConfigurationError` (``timeout must be a number of seconds, got 'soon'``) for
+    anything ``float`` does not read. Its range is the constructor's to check (with
+    `to_seconds`), as for the same option given as a keyword: one check, one message.
+    """
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}") from None
+
+
+def url_flag(name: str, value: str) -> bool:
+    """The value of URL flag option *name*: ``1``, ``true``, ``yes``, ``on`` or ``0``,
+    ``false``, ``no``, ``off``, in any case; else `ConfigurationError`
+    (``notify must be true or false, got 'maybe'``)."""
+    word = value.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ConfigurationError(f"{name} must be true or false, got {value!r}")

@@ -20,6 +20,9 @@ A backend imports only from here (and `multilock.core`'s public names), never fr
 - `to_seconds`, `validate_name`, `validate_metadata`: for a provider's own settings
   (URL options, constructor arguments); `validate_identifier` for SQL schema and table
   names.
+- `check_url_options`, `url_seconds`, `url_flag`: a URL's query options, read alike by
+  every provider (unknown names refused with the closest known one; seconds and flags
+  read from text with one message each).
 - `split_url`: split a provider's URL, refusing (without quoting it) one that holds a
   secret cut short: a host or port that does not parse (a password with an unencoded
   ``/``, ``?`` or ``#``), a ``#`` part, a query secret cut by an ``&``; or a port 0.
@@ -39,7 +42,7 @@ from ._names import to_seconds, validate_identifier, validate_metadata, validate
 from ._provider import LeaseBounds, Provider
 from ._types import LeaderInfo
 from ._url import redact_url, scrub, split_url
-from ._url_options import check_url_options
+from ._url_options import check_url_options, url_flag, url_seconds
 from ._watching import EXPIRY_SLACK, Notifications, Observed, poll_watch
 
 __all__ = [
@@ -61,6 +64,8 @@ __all__ = [
     "scrub",
     "split_url",
     "to_seconds",
+    "url_flag",
+    "url_seconds",
     "validate_identifier",
     "validate_metadata",
     "validate_name",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from multilock.core.provider import ConfigurationError, check_url_options, redact_url
+from multilock.core.provider import ConfigurationError, check_url_options, redact_url, url_seconds
 
 __all__ = ["CHANNEL_OPTIONS", "DEFAULT_PORT", "format_endpoint", "parse_endpoint", "parse_url"]
 
@@ -96,12 +96,7 @@ def parse_url(url: str) -> tuple[list[str], dict[str, Any]]:
         raise ConfigurationError(f"an etcd URL is {_FORM}, not {redact_url(url)}")
     pairs = parse_qsl(parts.query, keep_blank_values=True)
     check_url_options((name for name, _ in pairs), _OPTIONS, scheme="etcd")
-    options: dict[str, Any] = {}
-    for name, value in pairs:
-        try:
-            options[name] = float(value)
-        except ValueError:
-            raise ConfigurationError(f"etcd URL parameter {name} is not a number") from None
+    options: dict[str, Any] = {name: url_seconds(name, value) for name, value in pairs}
     if parts.path.strip("/"):
         options["prefix"] = unquote(parts.path)
     if parts.username is not None:

@@ -7,13 +7,18 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 from urllib.request import url2pathname
 
-from multilock.core.provider import ConfigurationError, check_url_options, redact_url
+from multilock.core.provider import (
+    ConfigurationError,
+    check_url_options,
+    redact_url,
+    url_flag,
+    url_seconds,
+)
 
 __all__ = ["parse_url"]
 
 _SECONDS = ("lock_timeout", "poll_interval")
 _OPTIONS = (*_SECONDS, "notify")
-_FLAGS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def parse_url(url: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -45,11 +50,4 @@ def parse_url(url: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 
 def _option(key: str, value: str) -> float | bool:
-    if key == "notify":
-        if value.lower() not in _FLAGS:
-            raise ConfigurationError(f"notify in file URL must be true or false, got {value!r}")
-        return _FLAGS[value.lower()]
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigurationError(f"{key} in file URL must be seconds, got {value!r}") from None
+    return url_flag(key, value) if key == "notify" else url_seconds(key, value)

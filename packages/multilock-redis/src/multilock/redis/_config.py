@@ -30,6 +30,7 @@ from multilock.core.provider import (
     scrub,
     split_url,
     to_seconds,
+    url_seconds,
 )
 
 if TYPE_CHECKING:
@@ -100,10 +101,7 @@ def _from_query(key: str, value: str) -> Any:
         if not value.isdigit():
             raise ConfigurationError(f"wait_replicas must be a whole number, got {value!r}")
         return int(value)
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigurationError(f"{key} must be seconds, got {value!r}") from None
+    return url_seconds(key, value)
 
 
 def _prefix(value: Any) -> str:

@@ -6,7 +6,14 @@ import re
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
-from multilock.core.provider import ConfigurationError, check_url_options, redact_url, split_url
+from multilock.core.provider import (
+    ConfigurationError,
+    check_url_options,
+    redact_url,
+    split_url,
+    url_flag,
+    url_seconds,
+)
 
 __all__ = ["check_bucket", "check_prefix", "parse_url"]
 
@@ -17,8 +24,6 @@ _TEXT = ("region", "session_token", "ca_certs")
 _SECONDS = ("timeout", "poll_interval")
 _FLAGS = ("cert_check", "create_bucket")
 _OPTIONS = (*_TEXT, *_SECONDS, *_FLAGS, "prefix")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 def check_bucket(bucket: object) -> str:
@@ -71,21 +76,12 @@ def parse_url(url: str) -> tuple[str, str, dict[str, Any]]:
     pairs = parse_qsl(parts.query, keep_blank_values=True)
     check_url_options((key for key, _ in pairs), _OPTIONS, scheme=parts.scheme)
     for key, value in pairs:
-        options[key] = _option(key, value, shown)
+        options[key] = _option(key, value)
     return endpoint, bucket, options
 
 
-def _option(key: str, value: str, shown: str) -> Any:
+def _option(key: str, value: str) -> Any:
     """The value of a known option (`check_url_options` refused the others)."""
     if key in _SECONDS:
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigurationError(f"{key} in {shown} must be seconds, got {value!r}") from None
-    if key in _FLAGS:
-        if value.lower() in _TRUE:
-            return True
-        if value.lower() in _FALSE:
-            return False
-        raise ConfigurationError(f"{key} in {shown} must be true or false, got {value!r}")
-    return value
+        return url_seconds(key, value)
+    return url_flag(key, value) if key in _FLAGS else value

@@ -42,6 +42,7 @@ from multilock.core.provider import (
     redact_url,
     split_url,
     to_seconds,
+    url_seconds,
 )
 
 from ._watch import RAISE, Handler, Views, future, hop, ordered, token_of
@@ -138,12 +139,7 @@ class ZooKeeperProvider(Provider):
             validate_root(chroot, "chroot")
         pairs = parse_qsl(parts.query, keep_blank_values=True)
         check_url_options([k for k, _ in pairs], attrs.fields_dict(Settings), scheme=parts.scheme)
-        options: dict[str, Any] = {}
-        for key, value in pairs:
-            try:
-                options[key] = value if key == "root" else float(value)
-            except ValueError:
-                raise ConfigurationError(f"{key} must be seconds, got {value!r}") from None
+        options = {key: value if key == "root" else url_seconds(key, value) for key, value in pairs}
         user, sep, password = userinfo.partition(":")
         if userinfo and (not sep or not user):
             raise ConfigurationError(f"credentials in a ZooKeeper URL are user:password: {shown}")
