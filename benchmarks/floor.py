@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
 import queue
 import struct
@@ -247,8 +248,6 @@ def _write_record(directory: str, name: str, holder: bytes, *, free: bool, durab
     path = os.path.join(directory, name)
     lock = os.open(f"{path}.lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
-        import fcntl
-
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             with open(path, "rb") as f:
@@ -280,8 +279,12 @@ async def _filesystem(url: str) -> tuple[Round, Round, Round]:
     name = f"multilock-floor-{uuid.uuid4().hex}"
     libc = ctypes.CDLL(None, use_errno=True)
     inotify = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-    if inotify < 0 or libc.inotify_add_watch(inotify, os.fsencode(directory), IN_MOVED_TO) < 0:
-        raise OSError(ctypes.get_errno(), "inotify")
+    if inotify < 0:
+        raise OSError(ctypes.get_errno(), "inotify_init1")
+    if libc.inotify_add_watch(inotify, os.fsencode(directory), IN_MOVED_TO) < 0:
+        error = ctypes.get_errno()
+        os.close(inotify)
+        raise OSError(error, "inotify_add_watch")
     loop = asyncio.get_running_loop()
     armed = asyncio.Event()  # a timed handoff is on: the next rename is the leader's release
     won: asyncio.Queue[bool] = asyncio.Queue()
