@@ -69,7 +69,7 @@ def test_query_options_are_read_and_keywords_win() -> None:
         ("consul://h?colour=blue", "unknown option 'colour' in the consul URL"),
         ("consul://h?tls=maybe", "tls must be true or false"),
         ("https://h?tls=true", "tls= only goes with consul://"),
-        ("consul://h?timeout=soon", "timeout must be seconds"),
+        ("consul://h?timeout=soon", "timeout must be a number of seconds"),
         ("consul://h?timeout=0", "timeout must be a positive"),
         ("consul://h:99999", "invalid Consul URL: its host or port does not parse"),
         ("consul://h?prefix=/leading", "prefix"),
