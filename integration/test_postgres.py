@@ -403,6 +403,41 @@ async def test_renewals_of_one_loop_turn_share_one_statement(url: str) -> None:
     assert [rows[g][1] for g in groups[2:]] == [{"n": str(i)} for i in range(2, 20)]
 
 
+async def test_releases_asked_for_while_one_is_on_its_way_share_one_statement(
+    url: str,
+) -> None:
+    # A process stopping with many groups: the first release goes at once, alone; the 19
+    # asked for while it is on its way go together after it, each by its own token (a
+    # stale one releases nothing), and every group released is notified.
+    groups = [fresh() for _ in range(20)]
+    async with PostgresProvider(url) as provider:
+        terms = await asyncio.gather(*(provider.try_acquire(g, "p1", 30.0, {}) for g in groups))
+        tokens = [t.token for t in terms if t is not None]
+        assert len(tokens) == 20
+        watch = provider.watch(groups[0])
+        await next_within(watch, 5)
+        statements: list[list[str]] = []
+        run = provider._connections.run
+
+        async def counted(query: bytes, params: Any) -> Any:
+            if query == provider._sql.release_many:
+                statements.append(list(params["groups"]))
+            return await run(query, params)
+
+        provider._connections.run = counted  # type: ignore[method-assign]
+        releases = [
+            asyncio.ensure_future(provider.release(g, "p1", t + (i == 1)))
+            for i, (g, t) in enumerate(zip(groups, tokens, strict=True))
+        ]
+        await asyncio.gather(*releases)
+        assert statements == [groups[:1], groups[1:]], "not the first alone, then the rest"
+        await next_within(watch, 2)  # the first group's release was notified
+        leaders = await asyncio.gather(*(provider.get_leader(g) for g in groups))
+        assert leaders[1] is not None, "a stale token released the group"
+        assert [leader for i, leader in enumerate(leaders) if i != 1] == [None] * 19
+        await watch.aclose()
+
+
 async def test_statement_timeout_bounds_a_blocked_call(url: str) -> None:
     group = fresh()
     async with PostgresProvider(url, statement_timeout=0.5) as p:

@@ -129,3 +129,58 @@ def test_aclose_fails_the_batch_being_sent() -> None:
             await call
 
     run(body)
+
+
+def test_eager_sends_an_item_at_once_when_nothing_is_on_its_way() -> None:
+    async def body() -> None:
+        store = Store()
+        batches: Batches[str, str] = Batches(store.send, timeout=1, eager=True)
+        task = asyncio.ensure_future(batches("a"))
+        await asyncio.sleep(0)  # the caller's first step: sent from there, no turn waited
+        assert store.batches == [["a"]]
+        assert await task == "A"
+        assert await batches("b") == "B"
+        assert store.batches == [["a"], ["b"]]
+
+    run(body)
+
+
+def test_eager_items_asked_for_meanwhile_go_together_after_it() -> None:
+    async def body() -> None:
+        store = Store()
+        batches: Batches[str, str] = Batches(store.send, timeout=1, eager=True)
+        first = asyncio.ensure_future(batches("a"))
+        await asyncio.sleep(0)
+        later = [asyncio.ensure_future(batches(i)) for i in ("b", "bad", "d")]
+        await asyncio.sleep(0.001)  # "a" is still on its way: they wait for it
+        assert store.batches == [["a"]]
+        assert await first == "A"
+        results = await asyncio.gather(*later, return_exceptions=True)
+        assert results[0] == "B"
+        assert results[2] == "D"
+        assert isinstance(results[1], ValueError)
+        assert store.batches == [["a"], ["b", "bad", "d"]]
+
+    run(body)
+
+
+def test_eager_a_caller_that_leaves_lets_the_waiting_items_go() -> None:
+    async def body() -> None:
+        store = Store()
+        lock = asyncio.Lock()
+        batches: Batches[str, str] = Batches(
+            store.send, timeout=1, slot=functools.partial(held, lock), eager=True
+        )
+        await lock.acquire()  # the slot is busy: "a" waits for it in its caller's task
+        first = asyncio.ensure_future(batches("a"))
+        await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(batches("b"))
+        await asyncio.sleep(0)
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        lock.release()
+        assert await waiting == "B"
+        assert store.batches == [["b"]], "the item of a caller that left was sent"
+
+    run(body)

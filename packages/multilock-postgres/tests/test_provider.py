@@ -95,7 +95,7 @@ def test_only_acquire_and_release_notify() -> None:
     sql = Statements("public", "multilock_leases")
     channel = channel_name("public", "multilock_leases")
     assert sql.listen.decode() == f'LISTEN "{channel}"'
-    assert f"pg_notify('{channel}', group_name)" in sql.release.decode()
+    assert f"pg_notify('{channel}', group_name)" in sql.release_many.decode()
     for quiet in (sql.renew_many, sql.leader, sql.expires_in):
         assert b"notify" not in quiet
 

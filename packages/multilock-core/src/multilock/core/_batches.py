@@ -35,6 +35,12 @@ class Batches(Generic[T, R]):
     the slot's wait and the send together. An item whose caller has left (cancelled, or
     timed out) by the time the slot is taken is not sent; a batch with none left sends
     nothing. A caller that leaves after that has its item in doubt, as any cancelled call.
+
+    With *eager*, nothing waits for the end of a turn (group commit): an item asked for
+    while no batch is on its way is sent at once, alone, from its caller's task (no loop
+    turn added: a call on a handoff's critical path, such as a release, costs what it
+    cost unbatched); the items asked for while one is on its way wait for it, then go
+    together in the next batch.
     """
 
     def __init__(
@@ -43,21 +49,45 @@ class Batches(Generic[T, R]):
         *,
         timeout: float,
         slot: Slot | None = None,
+        eager: bool = False,
     ) -> None:
         self._send_items = send
         self._timeout = timeout
         self._slot: Slot = slot or contextlib.nullcontext
         self._due: list[tuple[T, asyncio.Future[R]]] = []
         self._sending: set[asyncio.Task[None]] = set()
+        self._eager = eager
+        self._busy = 0  # eager: batches on their way (sent inline or in a task)
 
     async def __call__(self, item: T) -> R:
         """Queue *item* for this loop turn's batch; return its reply (or raise its error)."""
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[R] = loop.create_future()
-        if not self._due:
+        if self._eager and not self._busy:
+            return await self._alone(item, reply)
+        if not self._due and not self._eager:
             loop.call_soon(self._flush)
         self._due.append((item, reply))
         return await reply
+
+    async def _alone(self, item: T, reply: asyncio.Future[R]) -> R:
+        """Send *item* at once from its caller's task (eager, nothing on its way)."""
+        self._busy += 1
+        try:
+            await self._send([(item, reply)])
+        except BaseException:
+            if reply.done() and not reply.cancelled():
+                reply.exception()  # this caller has left: nobody else will look
+            raise
+        finally:
+            self._sent()
+        return reply.result()
+
+    def _sent(self) -> None:
+        """An eager batch has its replies: the items that waited for it go next."""
+        self._busy -= 1
+        if not self._busy:
+            self._flush()
 
     def _flush(self) -> None:
         due, self._due = [d for d in self._due if not d[1].done()], []
@@ -65,6 +95,9 @@ class Batches(Generic[T, R]):
             task = asyncio.ensure_future(self._send(due))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
+            if self._eager:
+                self._busy += 1
+                task.add_done_callback(lambda _: self._sent())
 
     async def _send(self, due: list[tuple[T, asyncio.Future[R]]]) -> None:
         replies: Sequence[R | Exception]

@@ -67,6 +67,8 @@ from ._sql import Statements, validate_identifier
 
 #: One renewal for `_renew_many`: group, participant, token, lease seconds, metadata JSON.
 _Renewal = tuple[str, str, int, float, str]
+#: One release for `_release_many`: group, participant, token.
+_Release = tuple[str, str, int]
 
 __all__ = ["PostgresProvider"]
 
@@ -120,6 +122,11 @@ class PostgresProvider(Provider):
         #: Renewals asked for in one loop turn go in one statement.
         self._renewals: Batches[_Renewal, bool] = Batches(
             self._renew_many, timeout=self._calls.timeout
+        )
+        #: A release goes at once; those asked for while one is on its way (a process
+        #: stopping with many groups) go together after it, in one statement.
+        self._releases: Batches[_Release, None] = Batches(
+            self._release_many, timeout=self._calls.timeout, eager=True
         )
 
     @classmethod
@@ -231,8 +238,20 @@ class PostgresProvider(Provider):
         return [(g, p, t) in renewed for g, p, t, _, _ in renewals]
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        params = {"group": group, "participant": participant_id, "token": token}
-        await self._query("release", self._sql.release, params)
+        await self._calls.call("release", self._releases((group, participant_id, token)))
+
+    async def _release_many(self, releases: list[_Release]) -> list[None]:
+        """Release a batch in one statement (`Batches`): each row by its participant and
+        token, and a NOTIFY for each row released."""
+        await self._ensure_table()
+        names = ("groups", "participants", "tokens")
+        params = {name: [r[i] for r in releases] for i, name in enumerate(names)}
+        try:
+            await self._connections.run(self._sql.release_many, params)
+        except errors.UndefinedTable:
+            self._ready = False  # dropped, or lost in a failover: made again next call
+            raise
+        return [None] * len(releases)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
         rows = await self._query("get_leader", self._sql.leader, {"group": group})
@@ -300,5 +319,6 @@ class PostgresProvider(Provider):
         """Close the connections this provider opened; later calls raise. Idempotent."""
         self._calls.closed = True
         await self._renewals.aclose()
+        await self._releases.aclose()
         await self._notifications.aclose()
         await self._connections.aclose()

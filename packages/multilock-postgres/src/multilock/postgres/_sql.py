@@ -100,13 +100,17 @@ class Statements:
             " AND t.token = r.token AND t.expires_at > c.now"
             " RETURNING t.group_name, t.participant_id, t.token"
         )
-        # The row and its token stay, so the next term's token is still token + 1.
-        self.release = q(
+        # Releases (`Batches`, eager: one alone at once, those asked for meanwhile
+        # together), each by its participant and token. The row and its token stay, so
+        # the next term's token is still token + 1.
+        self.release_many = q(
             "WITH released AS ("
-            " UPDATE {t} SET participant_id = NULL, expires_at = NULL, acquired_at = NULL,"
-            " metadata = '{{}}'::jsonb"
-            " WHERE group_name = %(group)s AND participant_id = %(participant)s"
-            " AND token = %(token)s RETURNING group_name)"
+            " UPDATE {t} AS t SET participant_id = NULL, expires_at = NULL,"
+            " acquired_at = NULL, metadata = '{{}}'::jsonb"
+            " FROM unnest(%(groups)s::text[], %(participants)s::text[], %(tokens)s::bigint[])"
+            " AS r(group_name, participant_id, token)"
+            " WHERE t.group_name = r.group_name AND t.participant_id = r.participant_id"
+            " AND t.token = r.token RETURNING t.group_name)"
             " SELECT pg_notify({to}, group_name)::text FROM released"
         )
         self.leader = q(
