@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import UTC, timedelta
 from typing import Any
 
@@ -226,14 +226,8 @@ class PostgresProvider(Provider):
 
     async def _renew_many(self, renewals: list[_Renewal]) -> list[bool]:
         """Renew a batch in one statement; whether each was renewed (`Batches`)."""
-        await self._ensure_table()
         names = ("groups", "participants", "tokens", "leases", "metadata")
-        params = {name: [r[i] for r in renewals] for i, name in enumerate(names)}
-        try:
-            rows = await self._connections.run(self._sql.renew_many, params)
-        except errors.UndefinedTable:
-            self._ready = False  # dropped, or lost in a failover: made again next call
-            raise
+        rows = await self._run_many(self._sql.renew_many, names, renewals)
         renewed = {tuple(row) for row in rows}
         return [(g, p, t) in renewed for g, p, t, _, _ in renewals]
 
@@ -243,15 +237,21 @@ class PostgresProvider(Provider):
     async def _release_many(self, releases: list[_Release]) -> list[None]:
         """Release a batch in one statement (`Batches`): each row by its participant and
         token, and a NOTIFY for each row released."""
+        await self._run_many(self._sql.release_many, ("groups", "participants", "tokens"), releases)
+        return [None] * len(releases)
+
+    async def _run_many(
+        self, query: bytes, names: tuple[str, ...], items: Sequence[tuple[Any, ...]]
+    ) -> list[tuple[Any, ...]]:
+        """Run one statement over arrays (a batch): field *i* of the items is *names[i]*.
+        Its errors stay the driver's, for `Batches` to give each caller (then `DriverCalls`)."""
         await self._ensure_table()
-        names = ("groups", "participants", "tokens")
-        params = {name: [r[i] for r in releases] for i, name in enumerate(names)}
+        params = {name: [item[i] for item in items] for i, name in enumerate(names)}
         try:
-            await self._connections.run(self._sql.release_many, params)
+            return await self._connections.run(query, params)
         except errors.UndefinedTable:
             self._ready = False  # dropped, or lost in a failover: made again next call
             raise
-        return [None] * len(releases)
 
     async def get_leader(self, group: str) -> LeaderInfo | None:
         rows = await self._query("get_leader", self._sql.leader, {"group": group})
