@@ -430,12 +430,61 @@ async def test_releases_asked_for_while_one_is_on_its_way_share_one_statement(
             for i, (g, t) in enumerate(zip(groups, tokens, strict=True))
         ]
         await asyncio.gather(*releases)
-        assert statements == [groups[:1], groups[1:]], "not the first alone, then the rest"
+        # The batch's rows go in group order (two batches lock shared rows alike).
+        assert statements == [groups[:1], sorted(groups[1:])], "not the first, then the rest"
         await next_within(watch, 2)  # the first group's release was notified
         leaders = await asyncio.gather(*(provider.get_leader(g) for g in groups))
         assert leaders[1] is not None, "a stale token released the group"
         assert [leader for i, leader in enumerate(leaders) if i != 1] == [None] * 19
         await watch.aclose()
+
+
+async def test_acquires_asked_for_while_one_is_on_its_way_share_one_statement(
+    url: str,
+) -> None:
+    # A process starting many elections: the first acquire goes at once, alone; those
+    # asked for while it is on its way go together after it, in one statement, in group
+    # order, each group once. A second ask for a group in the same batch gets None, as it
+    # would right after the first; a group led elsewhere is neither taken nor notified.
+    groups = [fresh() for _ in range(20)]
+    channel = channel_name("public", "multilock_leases")
+    async with (
+        PostgresProvider(url) as provider,
+        PostgresProvider(url) as other,
+        await psycopg.AsyncConnection.connect(url, autocommit=True) as listener,
+    ):
+        held = await other.try_acquire(groups[3], "elsewhere", 30.0, {})
+        assert held is not None
+        await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        statements: list[list[str]] = []
+        run = provider._connections.run
+
+        async def counted(query: bytes, params: Any) -> Any:
+            if query == provider._sql.acquire_many:
+                statements.append(list(params["groups"]))
+            return await run(query, params)
+
+        provider._connections.run = counted  # type: ignore[method-assign]
+        asks = [(g, "p1") for g in groups] + [(groups[7], "p2")]
+        terms = await asyncio.gather(
+            *(provider.try_acquire(g, who, 30.0, {"who": who}) for g, who in asks)
+        )
+        assert statements == [groups[:1], sorted(groups[1:])], "not the first, then the rest"
+        won = {g: term for (g, _), term in zip(asks, terms, strict=True) if term is not None}
+        assert sorted(won) == sorted(g for g in groups if g != groups[3])
+        assert terms[-1] is None, "a second ask for a group in one batch took it too"
+        for group, term in won.items():
+            assert (term.participant_id, term.metadata) == ("p1", {"who": "p1"})
+            assert await other.get_leader(group) == term
+        assert await other.get_leader(groups[3]) == held
+        await query(url, sql.SQL("SELECT pg_notify(%s, 'marker')"), channel)
+        payloads: list[str] = []
+        async with asyncio.timeout(5):
+            async for note in listener.notifies():
+                if note.payload == "marker":
+                    break
+                payloads.append(note.payload)
+        assert sorted(payloads) == sorted(f"{g} 30.0" for g in won), "not one NOTIFY per term"
 
 
 async def test_statement_timeout_bounds_a_blocked_call(url: str) -> None:

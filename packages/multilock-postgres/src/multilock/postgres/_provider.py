@@ -11,6 +11,11 @@ writes nothing (no row change, no NOTIFY). A term whose acquire reply was lost i
 by the election with ``get_leader`` (the metadata comes back exactly as written, with its
 instance nonce) and taken up with ``renew``, which compares participant id and token.
 
+Batches (`Batches`): acquires and releases go at once when none of their kind is on its
+way, and those asked for meanwhile together after it; renewals go once per loop turn.
+Each batch is one statement over arrays, its rows sorted by group (no deadlock between
+two processes' batches), a group at most once per acquire batch.
+
 Watching: acquire and release ``pg_notify`` the table's one channel in the same statement
 (delivered at commit), with the group (and a new lease's duration) as the payload. A
 provider LISTENs on one connection of its own for all its watches, of every group, while
@@ -44,12 +49,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 from psycopg import errors
-from psycopg.types.json import Jsonb
 
 from multilock.core.provider import (
     Batches,
@@ -65,6 +69,10 @@ from ._connections import Connections, Source
 from ._conninfo import split_options
 from ._sql import Statements, validate_identifier
 
+#: One acquire for `_acquire_many`: group, participant, lease seconds, metadata JSON, payload.
+_Acquire = tuple[str, str, float, str, str]
+#: A term taken: token, acquired_at (as the server's clock read it).
+_Taken = tuple[int, datetime]
 #: One renewal for `_renew_many`: group, participant, token, lease seconds, metadata JSON.
 _Renewal = tuple[str, str, int, float, str]
 #: One release for `_release_many`: group, participant, token.
@@ -119,6 +127,11 @@ class PostgresProvider(Provider):
         self._notified: dict[str, float | None] = {}
         self._setup_lock = asyncio.Lock()
         self._ready = False
+        #: An acquire goes at once; those asked for while one is on its way (a process
+        #: starting many elections) go together after it, in one statement.
+        self._acquires: Batches[_Acquire, _Taken | None] = Batches(
+            self._acquire_many, timeout=self._calls.timeout, eager=True
+        )
         #: Renewals asked for in one loop turn go in one statement.
         self._renewals: Batches[_Renewal, bool] = Batches(
             self._renew_many, timeout=self._calls.timeout
@@ -193,18 +206,30 @@ class PostgresProvider(Provider):
         lease_duration: float,
         metadata: Mapping[str, str],
     ) -> LeaderInfo | None:
-        params = {"group": group, "participant": participant_id, "lease": lease_duration}
-        params |= {"metadata": Jsonb(metadata), "payload": f"{group} {lease_duration!r}"}
-        rows = await self._query("try_acquire", self._sql.acquire, params)
-        if not rows:
+        payload = f"{group} {lease_duration!r}"
+        acquire = (group, participant_id, lease_duration, json.dumps(dict(metadata)), payload)
+        taken = await self._calls.call("try_acquire", self._acquires(acquire))
+        if taken is None:
             return None
-        token, acquired_at, _ = rows[0]
+        token, acquired_at = taken
         return LeaderInfo(
             participant_id=participant_id,
             token=token,
             metadata=metadata,
             acquired_at=acquired_at.astimezone(UTC),
         )
+
+    async def _acquire_many(self, acquires: list[_Acquire]) -> list[_Taken | None]:
+        """Acquire a batch in one statement (`Batches`): each group once (a row can be
+        taken once per statement; a later ask for the same group comes after the first,
+        which either took the row or found it live, so it gets None), in group order."""
+        first: dict[str, _Acquire] = {}
+        for acquire in acquires:
+            first.setdefault(acquire[0], acquire)
+        names = ("groups", "participants", "leases", "metadata", "payloads")
+        rows = await self._run_many(self._sql.acquire_many, names, list(first.values()))
+        taken = {group: (token, at) for group, token, at, _ in rows}
+        return [taken.get(a[0]) if first[a[0]] is a else None for a in acquires]
 
     async def renew(
         self,
@@ -243,9 +268,12 @@ class PostgresProvider(Provider):
     async def _run_many(
         self, query: bytes, names: tuple[str, ...], items: Sequence[tuple[Any, ...]]
     ) -> list[tuple[Any, ...]]:
-        """Run one statement over arrays (a batch): field *i* of the items is *names[i]*.
+        """Run one statement over arrays (a batch): field *i* of the items is *names[i]*,
+        the items sorted by their first field, the group, so that batches from any number
+        of processes lock the rows they share in the same order (no deadlock).
         Its errors stay the driver's, for `Batches` to give each caller (then `DriverCalls`)."""
         await self._ensure_table()
+        items = sorted(items, key=lambda item: item[0])  # by group: rows locked in one order
         params = {name: [item[i] for item in items] for i, name in enumerate(names)}
         try:
             return await self._connections.run(query, params)
@@ -318,6 +346,7 @@ class PostgresProvider(Provider):
     async def aclose(self) -> None:
         """Close the connections this provider opened; later calls raise. Idempotent."""
         self._calls.closed = True
+        await self._acquires.aclose()
         await self._renewals.aclose()
         await self._releases.aclose()
         await self._notifications.aclose()

@@ -68,16 +68,22 @@ class Statements:
             " acquired_at timestamptz,"
             " expires_at timestamptz)"
         )
-        # One statement: insert the first term, or take over a free or expired row with
-        # token + 1. A live row is never taken, whoever holds it (even the same
-        # participant id): the WHERE refuses it, so nothing is written or returned, and
-        # the NOTIFY in RETURNING (sent at commit) runs only for a row taken.
-        self.acquire = q(
-            "INSERT INTO {t} AS t"
+        # Acquires (`Batches`, eager: one alone at once, those asked for meanwhile
+        # together), one row per group, in the order given (the provider sorts them by
+        # group, so two batches lock shared rows in one order and cannot deadlock): insert
+        # the first term, or take over a free or expired row with token + 1. A live row is
+        # never taken, whoever holds it (even the same participant id): the WHERE refuses
+        # it, so nothing is written or returned for it, and only a row taken is notified
+        # (at commit), with its payload.
+        self.acquire_many = q(
+            "WITH r AS (SELECT * FROM unnest(%(groups)s::text[], %(participants)s::text[],"
+            " %(leases)s::float8[], %(metadata)s::text[], %(payloads)s::text[])"
+            " WITH ORDINALITY AS r(group_name, participant_id, lease, metadata, payload, n)),"
+            " taken AS (INSERT INTO {t} AS t"
             " (group_name, participant_id, token, metadata, acquired_at, expires_at)"
-            " SELECT %(group)s::text, %(participant)s::text, 1, %(metadata)s::jsonb,"
-            " c.now, c.now + make_interval(secs => %(lease)s)"
-            " FROM (SELECT clock_timestamp() AS now) AS c"
+            " SELECT r.group_name, r.participant_id, 1, r.metadata::jsonb,"
+            " c.now, c.now + make_interval(secs => r.lease)"
+            " FROM (SELECT clock_timestamp() AS now) AS c, r ORDER BY r.n"
             " ON CONFLICT (group_name) DO UPDATE SET"
             " token = t.token + 1,"
             " participant_id = excluded.participant_id,"
@@ -85,7 +91,9 @@ class Statements:
             " acquired_at = excluded.acquired_at,"
             " expires_at = excluded.expires_at"
             " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
-            " RETURNING t.token, t.acquired_at, pg_notify({to}, %(payload)s)::text"
+            " RETURNING t.group_name, t.token, t.acquired_at)"
+            " SELECT taken.group_name, taken.token, taken.acquired_at,"
+            " pg_notify({to}, r.payload)::text FROM taken JOIN r USING (group_name)"
         )
         # The renewals one loop turn asked for, in one statement (`Batches`): the same
         # condition for each (its participant, its token, a live lease), one clock reading.
