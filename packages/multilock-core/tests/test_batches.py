@@ -131,6 +131,23 @@ def test_aclose_fails_the_batch_being_sent() -> None:
     run(body)
 
 
+def test_aclose_fails_a_batch_cancelled_before_it_began() -> None:
+    async def body() -> None:
+        store = Store()
+        batches: Batches[str, str] = Batches(store.send, timeout=1)
+        first = asyncio.ensure_future(batches("a"))
+        await asyncio.sleep(0)  # "a" is queued, the turn's end is next
+        await asyncio.sleep(0)  # its batch is a task now, not yet started
+        assert store.batches == []
+        await batches.aclose()
+        with pytest.raises(ConnectionError):
+            async with asyncio.timeout(1):  # not left waiting forever
+                await first
+        assert store.batches == []
+
+    run(body)
+
+
 def test_eager_sends_an_item_at_once_when_nothing_is_on_its_way() -> None:
     async def body() -> None:
         store = Store()
@@ -182,5 +199,47 @@ def test_eager_a_caller_that_leaves_lets_the_waiting_items_go() -> None:
         lock.release()
         assert await waiting == "B"
         assert store.batches == [["b"]], "the item of a caller that left was sent"
+
+    run(body)
+
+
+def test_eager_a_queued_caller_that_leaves_is_not_sent() -> None:
+    async def body() -> None:
+        store = Store()
+        batches: Batches[str, str] = Batches(store.send, timeout=1, eager=True)
+        first = asyncio.ensure_future(batches("a"))
+        await asyncio.sleep(0)
+        leaving, staying = (asyncio.ensure_future(batches(i)) for i in ("b", "c"))
+        await asyncio.sleep(0.001)  # both wait for "a"
+        leaving.cancel()
+        assert await first == "A"
+        assert await staying == "C"
+        assert store.batches == [["a"], ["c"]], "the item of a caller that left was sent"
+
+    run(body)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_aclose_fails_the_waiting_items_and_nothing_is_sent_after(eager: bool) -> None:
+    async def body() -> None:
+        store = Store()
+        batches: Batches[str, str] = Batches(store.send, timeout=1, eager=eager)
+        first = asyncio.ensure_future(batches("a"))
+        if eager:
+            await asyncio.sleep(0)  # "a" is on its way, in its caller's task
+        waiting = asyncio.ensure_future(batches("b"))
+        await asyncio.sleep(0)  # "b" waits: for "a", or (not eager) for the turn's end
+        await batches.aclose()
+        with pytest.raises(ConnectionError):
+            await waiting
+        if eager:  # on its way in its caller's task: it ends as it would have
+            assert await first == "A"
+        else:
+            with pytest.raises(ConnectionError):
+                await first
+        with pytest.raises(ConnectionError, match="closed"):
+            await batches("c")
+        await asyncio.sleep(1)
+        assert store.batches == ([["a"]] if eager else []), "a batch was sent after aclose"
 
     run(body)

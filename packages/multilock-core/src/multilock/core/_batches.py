@@ -58,9 +58,12 @@ class Batches(Generic[T, R]):
         self._sending: set[asyncio.Task[None]] = set()
         self._eager = eager
         self._busy = 0  # eager: batches on their way (sent inline or in a task)
+        self._closed = False
 
     async def __call__(self, item: T) -> R:
         """Queue *item* for this loop turn's batch; return its reply (or raise its error)."""
+        if self._closed:
+            raise ConnectionError("the batches are closed")
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[R] = loop.create_future()
         if self._eager and not self._busy:
@@ -91,17 +94,27 @@ class Batches(Generic[T, R]):
 
     def _flush(self) -> None:
         due, self._due = [d for d in self._due if not d[1].done()], []
-        if due:
+        if self._closed:  # nothing goes after aclose: the waiting items fail
+            for _, reply in due:
+                reply.set_exception(ConnectionError("the batches are closed"))
+        elif due:
             task = asyncio.ensure_future(self._send(due))
+            task.add_done_callback(lambda _: self._cancelled(due))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
             if self._eager:
                 self._busy += 1
                 task.add_done_callback(lambda _: self._sent())
 
+    @staticmethod
+    def _cancelled(due: list[tuple[T, asyncio.Future[R]]]) -> None:
+        """A batch cancelled (`aclose`), on its way or before it began: its callers fail."""
+        for _, reply in due:
+            if not reply.done():
+                reply.set_exception(ConnectionError("the batch was cancelled"))
+
     async def _send(self, due: list[tuple[T, asyncio.Future[R]]]) -> None:
         replies: Sequence[R | Exception]
-        cancelled: BaseException | None = None
         try:
             async with asyncio.timeout(self._timeout), self._slot():
                 due = [d for d in due if not d[1].done()]  # whose callers still wait
@@ -110,8 +123,6 @@ class Batches(Generic[T, R]):
                 replies = await self._send_items([item for item, _ in due])
         except Exception as exc:
             replies = [exc] * len(due)
-        except BaseException as exc:  # the provider is closing
-            cancelled, replies = exc, [ConnectionError("the batch was cancelled")] * len(due)
         for (_, reply), result in zip(due, replies, strict=True):
             if reply.done():
                 continue  # its caller left
@@ -121,11 +132,13 @@ class Batches(Generic[T, R]):
                 reply.set_exception(own)
             else:
                 reply.set_result(result)
-        if cancelled is not None:
-            raise cancelled
 
     async def aclose(self) -> None:
-        """Cancel the batches being sent (their callers fail) and wait for them."""
+        """Fail the items waiting, cancel the batches being sent (their callers fail) and
+        wait for them; nothing is sent after. An eager item on its way in its caller's
+        task is that caller's to cancel."""
+        self._closed = True
+        self._flush()
         for task in list(self._sending):
             task.cancel()
         await asyncio.gather(*self._sending, return_exceptions=True)
