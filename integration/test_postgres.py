@@ -416,12 +416,14 @@ async def test_releases_asked_for_while_one_is_on_its_way_share_one_statement(
         assert len(tokens) == 20
         watch = provider.watch(groups[0])
         await next_within(watch, 5)
-        statements: list[list[str]] = []
+        statements: list[tuple[str, list[str]]] = []
         run = provider._connections.run
 
         async def counted(query: bytes, params: Any) -> Any:
-            if query == provider._sql.release_many:
-                statements.append(list(params["groups"]))
+            if query == provider._sql.release:  # one alone, on plain values
+                statements.append(("one", [params["group"]]))
+            elif query == provider._sql.release_many:
+                statements.append(("many", list(params["group"])))
             return await run(query, params)
 
         provider._connections.run = counted  # type: ignore[method-assign]
@@ -431,7 +433,8 @@ async def test_releases_asked_for_while_one_is_on_its_way_share_one_statement(
         ]
         await asyncio.gather(*releases)
         # The batch's rows go in group order (two batches lock shared rows alike).
-        assert statements == [groups[:1], sorted(groups[1:])], "not the first, then the rest"
+        expected = [("one", groups[:1]), ("many", sorted(groups[1:]))]
+        assert statements == expected, "not the first alone, then the rest in group order"
         await next_within(watch, 2)  # the first group's release was notified
         leaders = await asyncio.gather(*(provider.get_leader(g) for g in groups))
         assert leaders[1] is not None, "a stale token released the group"
@@ -456,12 +459,14 @@ async def test_acquires_asked_for_while_one_is_on_its_way_share_one_statement(
         held = await other.try_acquire(groups[3], "elsewhere", 30.0, {})
         assert held is not None
         await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-        statements: list[list[str]] = []
+        statements: list[tuple[str, list[str]]] = []
         run = provider._connections.run
 
         async def counted(query: bytes, params: Any) -> Any:
-            if query == provider._sql.acquire_many:
-                statements.append(list(params["groups"]))
+            if query == provider._sql.acquire:  # one alone, on plain values
+                statements.append(("one", [params["group"]]))
+            elif query == provider._sql.acquire_many:
+                statements.append(("many", list(params["group"])))
             return await run(query, params)
 
         provider._connections.run = counted  # type: ignore[method-assign]
@@ -469,7 +474,8 @@ async def test_acquires_asked_for_while_one_is_on_its_way_share_one_statement(
         terms = await asyncio.gather(
             *(provider.try_acquire(g, who, 30.0, {"who": who}) for g, who in asks)
         )
-        assert statements == [groups[:1], sorted(groups[1:])], "not the first, then the rest"
+        expected = [("one", groups[:1]), ("many", sorted(groups[1:]))]
+        assert statements == expected, "not the first alone, then the rest in group order"
         won = {g: term for (g, _), term in zip(asks, terms, strict=True) if term is not None}
         assert sorted(won) == sorted(g for g in groups if g != groups[3])
         assert terms[-1] is None, "a second ask for a group in one batch took it too"

@@ -77,28 +77,34 @@ def test_one_channel_per_table_that_fits() -> None:
 def test_acquire_takes_only_a_free_or_expired_row() -> None:
     # A live row is refused whoever holds it, even the same participant id; a row taken
     # always starts a new term. Behaviour on a server: integration/test_postgres.py.
-    acquire = Statements("Election", "Leases").acquire_many.decode()
+    sql = Statements("Election", "Leases")
     channel = channel_name("Election", "Leases")
-    assert ' taken AS (INSERT INTO "Election"."Leases" AS t ' in acquire
-    assert " FROM (SELECT clock_timestamp() AS now) AS c, r ORDER BY r.n" in acquire
-    assert " ON CONFLICT (group_name) DO UPDATE SET token = t.token + 1," in acquire
-    assert " acquired_at = excluded.acquired_at," in acquire
-    assert (
-        " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
-        " RETURNING t.group_name, t.token, t.acquired_at)"
-    ) in acquire
-    assert acquire.endswith(
+    one, many = sql.acquire.decode(), sql.acquire_many.decode()
+    assert one.startswith('INSERT INTO "Election"."Leases" AS t ')
+    assert ' taken AS (INSERT INTO "Election"."Leases" AS t ' in many
+    assert " FROM (SELECT clock_timestamp() AS now) AS c, r ORDER BY r.n" in many
+    for acquire in (one, many):
+        assert " ON CONFLICT (group_name) DO UPDATE SET token = t.token + 1," in acquire
+        assert " acquired_at = excluded.acquired_at," in acquire
+        assert (
+            " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
+            " RETURNING t.group_name, t.token, t.acquired_at"
+        ) in acquire
+    assert one.endswith(f" pg_notify('{channel}', %(payload)s)::text")
+    assert many.endswith(
         f" pg_notify('{channel}', r.payload)::text FROM taken JOIN r USING (group_name)"
     )
-    assert "CASE" not in acquire
-    assert "excluded.participant_id AND" not in acquire
-    assert "t.participant_id = excluded.participant_id" not in acquire
+    for acquire in (one, many):
+        assert "CASE" not in acquire
+        assert "excluded.participant_id AND" not in acquire
+        assert "t.participant_id = excluded.participant_id" not in acquire
 
 
 def test_only_acquire_and_release_notify() -> None:
     sql = Statements("public", "multilock_leases")
     channel = channel_name("public", "multilock_leases")
     assert sql.listen.decode() == f'LISTEN "{channel}"'
+    assert f"pg_notify('{channel}', group_name)" in sql.release.decode()
     assert f"pg_notify('{channel}', group_name)" in sql.release_many.decode()
     assert f"pg_notify('{channel}', r.payload)" in sql.acquire_many.decode()
     for quiet in (sql.renew_many, sql.leader, sql.expires_in):

@@ -226,8 +226,9 @@ class PostgresProvider(Provider):
         first: dict[str, _Acquire] = {}
         for acquire in acquires:
             first.setdefault(acquire[0], acquire)
-        names = ("groups", "participants", "leases", "metadata", "payloads")
-        rows = await self._run_many(self._sql.acquire_many, names, list(first.values()))
+        names = ("group", "participant", "lease", "metadata", "payload")
+        statements = (self._sql.acquire, self._sql.acquire_many)
+        rows = await self._run_many(statements, names, list(first.values()))
         taken = {group: (token, at) for group, token, at, _ in rows}
         return [taken.get(a[0]) if first[a[0]] is a else None for a in acquires]
 
@@ -251,8 +252,8 @@ class PostgresProvider(Provider):
 
     async def _renew_many(self, renewals: list[_Renewal]) -> list[bool]:
         """Renew a batch in one statement; whether each was renewed (`Batches`)."""
-        names = ("groups", "participants", "tokens", "leases", "metadata")
-        rows = await self._run_many(self._sql.renew_many, names, renewals)
+        names = ("group", "participant", "token", "lease", "metadata")
+        rows = await self._run_many((None, self._sql.renew_many), names, renewals)
         renewed = {tuple(row) for row in rows}
         return [(g, p, t) in renewed for g, p, t, _, _ in renewals]
 
@@ -262,19 +263,30 @@ class PostgresProvider(Provider):
     async def _release_many(self, releases: list[_Release]) -> list[None]:
         """Release a batch in one statement (`Batches`): each row by its participant and
         token, and a NOTIFY for each row released."""
-        await self._run_many(self._sql.release_many, ("groups", "participants", "tokens"), releases)
+        statements = (self._sql.release, self._sql.release_many)
+        await self._run_many(statements, ("group", "participant", "token"), releases)
         return [None] * len(releases)
 
     async def _run_many(
-        self, query: bytes, names: tuple[str, ...], items: Sequence[tuple[Any, ...]]
+        self,
+        statements: tuple[bytes | None, bytes],
+        names: tuple[str, ...],
+        items: Sequence[tuple[Any, ...]],
     ) -> list[tuple[Any, ...]]:
-        """Run one statement over arrays (a batch): field *i* of the items is *names[i]*,
-        the items sorted by their first field, the group, so that batches from any number
-        of processes lock the rows they share in the same order (no deadlock).
-        Its errors stay the driver's, for `Batches` to give each caller (then `DriverCalls`)."""
+        """Run a batch as one statement: *statements* are the one on plain values for a
+        single item (a little cheaper; None: none) and the one over arrays. Field *i* of
+        the items is the parameter *names[i]*. The items go sorted by their first field,
+        the group, so that batches from any number of processes lock the rows they share
+        in one order (no deadlock). Its errors stay the driver's, for `Batches` to give
+        each caller (then `DriverCalls`)."""
         await self._ensure_table()
         items = sorted(items, key=lambda item: item[0])  # by group: rows locked in one order
-        params = {name: [item[i] for item in items] for i, name in enumerate(names)}
+        one, many = statements
+        if one is not None and len(items) == 1:
+            query, params = one, dict(zip(names, items[0], strict=True))
+        else:
+            query = many
+            params = {name: [item[i] for item in items] for i, name in enumerate(names)}
         try:
             return await self._connections.run(query, params)
         except errors.UndefinedTable:

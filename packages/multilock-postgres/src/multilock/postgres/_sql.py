@@ -68,22 +68,19 @@ class Statements:
             " acquired_at timestamptz,"
             " expires_at timestamptz)"
         )
-        # Acquires (`Batches`, eager: one alone at once, those asked for meanwhile
-        # together), one row per group, in the order given (the provider sorts them by
-        # group, so two batches lock shared rows in one order and cannot deadlock): insert
-        # the first term, or take over a free or expired row with token + 1. A live row is
-        # never taken, whoever holds it (even the same participant id): the WHERE refuses
-        # it, so nothing is written or returned for it, and only a row taken is notified
-        # (at commit), with its payload.
-        self.acquire_many = q(
-            "WITH r AS (SELECT * FROM unnest(%(groups)s::text[], %(participants)s::text[],"
-            " %(leases)s::float8[], %(metadata)s::text[], %(payloads)s::text[])"
-            " WITH ORDINALITY AS r(group_name, participant_id, lease, metadata, payload, n)),"
-            " taken AS (INSERT INTO {t} AS t"
-            " (group_name, participant_id, token, metadata, acquired_at, expires_at)"
-            " SELECT r.group_name, r.participant_id, 1, r.metadata::jsonb,"
-            " c.now, c.now + make_interval(secs => r.lease)"
-            " FROM (SELECT clock_timestamp() AS now) AS c, r ORDER BY r.n"
+        # Batches (`Batches`) go as one statement over arrays, each array parameter named
+        # as the value it holds; a batch of one, such as a handoff's acquire and release,
+        # goes as the same statement on plain values, which the server runs in about
+        # 0.1 ms (acquire) and 0.2 ms (release) less.
+        #
+        # Acquire: insert the first term, or take over a free or expired row with token +
+        # 1. A live row is never taken, whoever holds it (even the same participant id):
+        # the WHERE refuses it, so nothing is written or returned for it, and only a row
+        # taken is notified (at commit), with its payload. A batch takes each group once
+        # (a statement can take a row only once), its rows in the order given (the
+        # provider sorts them by group, so two batches lock shared rows in one order and
+        # cannot deadlock).
+        taken = (
             " ON CONFLICT (group_name) DO UPDATE SET"
             " token = t.token + 1,"
             " participant_id = excluded.participant_id,"
@@ -91,7 +88,28 @@ class Statements:
             " acquired_at = excluded.acquired_at,"
             " expires_at = excluded.expires_at"
             " WHERE t.participant_id IS NULL OR t.expires_at <= excluded.acquired_at"
-            " RETURNING t.group_name, t.token, t.acquired_at)"
+        )
+        self.acquire = q(
+            "INSERT INTO {t} AS t"
+            " (group_name, participant_id, token, metadata, acquired_at, expires_at)"
+            " SELECT %(group)s::text, %(participant)s::text, 1, %(metadata)s::jsonb,"
+            " c.now, c.now + make_interval(secs => %(lease)s)"
+            " FROM (SELECT clock_timestamp() AS now) AS c"
+            + taken
+            + " RETURNING t.group_name, t.token, t.acquired_at,"
+            " pg_notify({to}, %(payload)s)::text"
+        )
+        self.acquire_many = q(
+            "WITH r AS (SELECT * FROM unnest(%(group)s::text[], %(participant)s::text[],"
+            " %(lease)s::float8[], %(metadata)s::text[], %(payload)s::text[])"
+            " WITH ORDINALITY AS r(group_name, participant_id, lease, metadata, payload, n)),"
+            " taken AS (INSERT INTO {t} AS t"
+            " (group_name, participant_id, token, metadata, acquired_at, expires_at)"
+            " SELECT r.group_name, r.participant_id, 1, r.metadata::jsonb,"
+            " c.now, c.now + make_interval(secs => r.lease)"
+            " FROM (SELECT clock_timestamp() AS now) AS c, r ORDER BY r.n"
+            + taken
+            + " RETURNING t.group_name, t.token, t.acquired_at)"
             " SELECT taken.group_name, taken.token, taken.acquired_at,"
             " pg_notify({to}, r.payload)::text FROM taken JOIN r USING (group_name)"
         )
@@ -101,21 +119,28 @@ class Statements:
             "UPDATE {t} AS t SET expires_at = c.now + make_interval(secs => r.lease),"
             " metadata = r.metadata::jsonb"
             " FROM (SELECT clock_timestamp() AS now) AS c,"
-            " unnest(%(groups)s::text[], %(participants)s::text[], %(tokens)s::bigint[],"
-            " %(leases)s::float8[], %(metadata)s::text[])"
+            " unnest(%(group)s::text[], %(participant)s::text[], %(token)s::bigint[],"
+            " %(lease)s::float8[], %(metadata)s::text[])"
             " AS r(group_name, participant_id, token, lease, metadata)"
             " WHERE t.group_name = r.group_name AND t.participant_id = r.participant_id"
             " AND t.token = r.token AND t.expires_at > c.now"
             " RETURNING t.group_name, t.participant_id, t.token"
         )
-        # Releases (`Batches`, eager: one alone at once, those asked for meanwhile
-        # together), each by its participant and token. The row and its token stay, so
+        # Release, each row by its participant and token. The row and its token stay, so
         # the next term's token is still token + 1.
+        self.release = q(
+            "WITH released AS ("
+            " UPDATE {t} SET participant_id = NULL, expires_at = NULL, acquired_at = NULL,"
+            " metadata = '{{}}'::jsonb"
+            " WHERE group_name = %(group)s AND participant_id = %(participant)s"
+            " AND token = %(token)s RETURNING group_name)"
+            " SELECT pg_notify({to}, group_name)::text FROM released"
+        )
         self.release_many = q(
             "WITH released AS ("
             " UPDATE {t} AS t SET participant_id = NULL, expires_at = NULL,"
             " acquired_at = NULL, metadata = '{{}}'::jsonb"
-            " FROM unnest(%(groups)s::text[], %(participants)s::text[], %(tokens)s::bigint[])"
+            " FROM unnest(%(group)s::text[], %(participant)s::text[], %(token)s::bigint[])"
             " AS r(group_name, participant_id, token)"
             " WHERE t.group_name = r.group_name AND t.participant_id = r.participant_id"
             " AND t.token = r.token RETURNING t.group_name)"
