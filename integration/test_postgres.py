@@ -403,6 +403,24 @@ async def test_renewals_of_one_loop_turn_share_one_statement(url: str) -> None:
     assert [rows[g][1] for g in groups[2:]] == [{"n": str(i)} for i in range(2, 20)]
 
 
+def batches_sent(provider: PostgresProvider, kind: str) -> list[tuple[str, list[str]]]:
+    """Record the *kind* statements (acquire, release) *provider* runs from now on, each
+    as ("one", [group]) on plain values or ("many", groups) over arrays."""
+    statements: list[tuple[str, list[str]]] = []
+    one, many = getattr(provider._sql, kind), getattr(provider._sql, f"{kind}_many")
+    run = provider._connections.run
+
+    async def counted(query: bytes, params: Any) -> Any:
+        if query == one:
+            statements.append(("one", [params["group"]]))
+        elif query == many:
+            statements.append(("many", list(params["group"])))
+        return await run(query, params)
+
+    provider._connections.run = counted  # type: ignore[method-assign]
+    return statements
+
+
 async def test_releases_asked_for_while_one_is_on_its_way_share_one_statement(
     url: str,
 ) -> None:
@@ -416,17 +434,7 @@ async def test_releases_asked_for_while_one_is_on_its_way_share_one_statement(
         assert len(tokens) == 20
         watch = provider.watch(groups[0])
         await next_within(watch, 5)
-        statements: list[tuple[str, list[str]]] = []
-        run = provider._connections.run
-
-        async def counted(query: bytes, params: Any) -> Any:
-            if query == provider._sql.release:  # one alone, on plain values
-                statements.append(("one", [params["group"]]))
-            elif query == provider._sql.release_many:
-                statements.append(("many", list(params["group"])))
-            return await run(query, params)
-
-        provider._connections.run = counted  # type: ignore[method-assign]
+        statements = batches_sent(provider, "release")
         releases = [
             asyncio.ensure_future(provider.release(g, "p1", t + (i == 1)))
             for i, (g, t) in enumerate(zip(groups, tokens, strict=True))
@@ -459,17 +467,7 @@ async def test_acquires_asked_for_while_one_is_on_its_way_share_one_statement(
         held = await other.try_acquire(groups[3], "elsewhere", 30.0, {})
         assert held is not None
         await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-        statements: list[tuple[str, list[str]]] = []
-        run = provider._connections.run
-
-        async def counted(query: bytes, params: Any) -> Any:
-            if query == provider._sql.acquire:  # one alone, on plain values
-                statements.append(("one", [params["group"]]))
-            elif query == provider._sql.acquire_many:
-                statements.append(("many", list(params["group"])))
-            return await run(query, params)
-
-        provider._connections.run = counted  # type: ignore[method-assign]
+        statements = batches_sent(provider, "acquire")
         asks = [(g, "p1") for g in groups] + [(groups[7], "p2")]
         terms = await asyncio.gather(
             *(provider.try_acquire(g, who, 30.0, {"who": who}) for g, who in asks)
