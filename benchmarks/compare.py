@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             servers.start()
             for name in names:
                 url = servers.urls[name]
-                columns: dict[str, Path | None] = {"before": before, "after": None}
+                # Both versions run from their own trees: the installed packages may be
+                # another checkout's (an editable install of the main worktree).
+                columns: dict[str, Path | None] = {"before": before, "after": ROOT}
                 if name in FLOORS:
                     columns["floor"] = None
                 if name == "zookeeper":
