@@ -13,8 +13,9 @@ instance nonce) and taken up with ``renew``, which compares participant id and t
 
 Batches (`Batches`): acquires and releases go at once when none of their kind is on its
 way, and those asked for meanwhile together after it; renewals go once per loop turn.
-Each batch is one statement over arrays, its rows sorted by group (no deadlock between
-two processes' batches), a group at most once per acquire batch.
+A batch of one (a handoff's acquire or release) runs the plain statement; a larger one is
+one statement over arrays, its rows sorted by group (no deadlock between two processes'
+batches), a group at most once per acquire batch.
 
 Watching: acquire and release ``pg_notify`` the table's one channel in the same statement
 (delivered at commit), with the group (and a new lease's duration) as the payload. A
