@@ -646,6 +646,65 @@ async def test_watches_of_many_groups_share_one_connection_per_server(
             await admin.aclose()
 
 
+def pttls_sent(provider: RedisProvider) -> list[list[str]]:
+    """Record the keys of each PTTL read *provider* sends from now on: one alone, or a
+    pipeline's."""
+    client, sent = provider._node.client, []
+    single, pipeline = client.pttl, client.pipeline
+
+    def pttl(key: str) -> Any:
+        sent.append([key])
+        return single(key)
+
+    def piped(*args: Any, **kwargs: Any) -> Any:
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            keys = [c[0][1] for c in pipe.command_stack if c[0][0] == "PTTL"]
+            if keys:
+                sent.append(keys)
+            return await execute(*args, **kwargs)
+
+        pipe.execute = counted  # type: ignore[method-assign]
+        return pipe
+
+    client.pttl, client.pipeline = pttl, piped  # type: ignore[method-assign]
+    return sent
+
+
+async def test_watches_opening_at_once_read_their_leases_in_one_pipeline(
+    redis_server: BaseServer,
+) -> None:
+    # A process starting 10,000 elections opens 10,000 watches, and each reads once how
+    # long its group's lease has left (PTTL): the first read goes at once, alone; those
+    # asked for while it is on its way go together after it, in one pipeline.
+    groups = [group() for _ in range(20)]
+    watches: list[AsyncIterator[None]] = []
+    waiting: list[asyncio.Future[None]] = []
+    async with RedisProvider(redis_server.url) as holder, RedisProvider(redis_server.url) as p:
+        for g in groups:
+            assert await holder.try_acquire(g, "h", 30.0, {}) is not None
+        reads = pttls_sent(p)
+        try:
+            watches += [p.watch(g) for g in groups]
+            async with asyncio.timeout(5.0):  # subscribed: each watch yields once at once
+                await asyncio.gather(*(anext(w) for w in watches))
+            # Then each reads when its lease ends, and waits for that (or a message).
+            waiting += [asyncio.ensure_future(anext(w)) for w in watches]
+            await wait_for("the reads", lambda: asyncio.sleep(0, sum(map(len, reads)) == 20), 5)
+            assert [len(r) for r in reads] == [1, 19], "not the first alone, then the rest"
+            assert sorted(k for r in reads for k in r) == sorted(lease_key(g) for g in groups)
+            await asyncio.sleep(0.1)
+            assert not any(w.done() for w in waiting), "a watch woke with its lease live"
+        finally:
+            for task in waiting:
+                task.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+            for w in watches:
+                await w.aclose()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("kind", ["redis", "redlock"])
 async def test_a_watch_closed_while_it_subscribes_stops_its_listener_at_once(
     request: pytest.FixtureRequest, kind: str
@@ -794,7 +853,7 @@ async def test_renewals_of_one_loop_turn_share_one_pipeline(redis_server: BaseSe
     name = f"renew-{uuid.uuid4().hex[:8]}"
     admin = Redis.from_url(redis_server.url, decode_responses=True)
     try:
-        async with RedisProvider(redis_server.url) as first:  # its 40 calls open a pool
+        async with RedisProvider(redis_server.url) as first:  # its own connection
             groups = [group() for _ in range(40)]
             terms = await asyncio.gather(*(first.try_acquire(g, "a", 10.0, {}) for g in groups))
         tokens = [t.token for t in terms if t is not None]
@@ -816,6 +875,110 @@ async def test_renewals_of_one_loop_turn_share_one_pipeline(redis_server: BaseSe
             assert min(lease[2:]) > 10_000, "renewed to 30 s"
     finally:
         await admin.aclose()
+
+
+def pipelines_sent(provider: RedisProvider) -> list[list[str]]:
+    """Record the groups of each pipeline of acquires or releases *provider* sends from
+    now on (a call that goes alone runs its script, not a pipeline)."""
+    node = provider._node
+    sent: list[list[str]] = []
+    pipeline = node._pipeline
+
+    async def counted(script: Any, calls: list[tuple[list[str], list[str | int]]]) -> list[Any]:
+        if script in (node._acquire, node._release):
+            sent.append([keys[0].split("{", 1)[1].rsplit("}", 1)[0] for keys, _ in calls])
+        return await pipeline(script, calls)
+
+    node._pipeline = counted  # type: ignore[method-assign]
+    return sent
+
+
+async def announced(pubsub: Any, marker: str) -> list[tuple[str, str]]:
+    """The (channel, message) pairs *pubsub* got before *marker* was published."""
+    got: list[tuple[str, str]] = []
+    async with asyncio.timeout(5):
+        while True:
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+            if message is None:
+                continue
+            channel, data = message["channel"].decode(), message["data"].decode()
+            if data == marker:
+                return got
+            got.append((channel, data))
+
+
+async def test_acquires_asked_for_while_one_is_on_its_way_share_one_pipeline(
+    redis_server: BaseServer,
+) -> None:
+    # A process starting many elections: the first acquire goes at once, alone; those
+    # asked for while it is on its way go together after it, in one pipeline, on the
+    # same connection. A second ask for a group in the batch gets None, as it would right
+    # after the first; a group led elsewhere is neither taken nor announced.
+    name = f"acquire-{uuid.uuid4().hex[:8]}"
+    groups = [group() for _ in range(20)]
+    async with (
+        RedisProvider(named(redis_server.url, name)) as provider,
+        RedisProvider(redis_server.url) as other,
+        Redis.from_url(redis_server.url) as admin,
+    ):
+        held = await other.try_acquire(groups[3], "elsewhere", 30.0, {})
+        assert held is not None
+        pubsub = admin.pubsub()
+        await pubsub.psubscribe("multilock:{*}:changed")
+        sent = pipelines_sent(provider)
+        asks = [(g, "p1") for g in groups] + [(groups[7], "p2")]
+        terms = await asyncio.gather(
+            *(provider.try_acquire(g, who, 30.0, {"who": who}) for g, who in asks)
+        )
+        assert sent == [[g for g, _ in asks[1:]]], "not the first alone, then the rest at once"
+        total, _ = await connections(admin, name)
+        assert total == 1, f"{total} connections for one process's acquires"
+        won = {g: term for (g, _), term in zip(asks, terms, strict=True) if term is not None}
+        assert sorted(won) == sorted(g for g in groups if g != groups[3])
+        assert terms[-1] is None, "a second ask for a group in one batch took it too"
+        for g, term in won.items():
+            assert (term.participant_id, term.metadata) == ("p1", {"who": "p1"})
+            assert await other.get_leader(g) == term
+        assert await other.get_leader(groups[3]) == held
+        await admin.publish("multilock:{marker}:changed", "marker")
+        got = await announced(pubsub, "marker")
+        assert sorted(got) == sorted((f"multilock:{{{g}}}:changed", "acquired 30000") for g in won)
+        await pubsub.aclose()
+
+
+async def test_releases_asked_for_while_one_is_on_its_way_share_one_pipeline(
+    redis_server: BaseServer,
+) -> None:
+    # A process stopping with many groups: the first release goes at once, alone; those
+    # asked for while it is on its way go together after it, each by its own token (a
+    # stale one releases nothing), and every group released is announced.
+    groups = [group() for _ in range(20)]
+    async with (
+        RedisProvider(redis_server.url) as provider,
+        Redis.from_url(redis_server.url) as admin,
+    ):
+        terms = await asyncio.gather(*(provider.try_acquire(g, "p1", 30.0, {}) for g in groups))
+        tokens = [t.token for t in terms if t is not None]
+        assert len(tokens) == 20
+        pubsub = admin.pubsub()
+        await pubsub.psubscribe("multilock:{*}:changed")
+        sent = pipelines_sent(provider)
+        stale = tokens[5] - 1
+        await asyncio.gather(
+            *(
+                provider.release(g, "p1", stale if i == 5 else t)
+                for i, (g, t) in enumerate(zip(groups, tokens, strict=True))
+            )
+        )
+        assert sent == [groups[1:]], "not the first alone, then the rest at once"
+        assert await provider.get_leader(groups[5]) == terms[5], "a stale token released it"
+        for g in groups[:5] + groups[6:]:
+            assert await provider.get_leader(g) is None
+        await admin.publish("multilock:{marker}:changed", "marker")
+        got = await announced(pubsub, "marker")
+        released = groups[:5] + groups[6:]
+        assert sorted(got) == sorted((f"multilock:{{{g}}}:changed", "released") for g in released)
+        await pubsub.aclose()
 
 
 async def test_a_renewal_whose_caller_left_before_a_connection_freed_is_not_sent(

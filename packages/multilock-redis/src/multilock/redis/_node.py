@@ -4,7 +4,10 @@ Every call goes through `DriverCalls`: bounded by a timeout (cancelling a redis-
 drops its connection, so nothing half-read is reused), and every failure becomes
 `ProviderError` with no credential in its message or chain. The node's listener watches
 every group on one pub/sub connection (a pattern subscription), and remembers from each
-message when the group's lease ends, so a woken watch need not ask the server.
+message when the group's lease ends, so a woken watch need not ask the server. Calls
+that write go in batches (`Batches`): renewals once per loop turn in one pipeline;
+acquires and releases at once when none of their kind is on its way, and those asked for
+meanwhile in one pipeline right after it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ T = TypeVar("T")
 __all__ = ["Granted", "Node", "encode_metadata", "lease_ms"]
 
 log = logging.getLogger(__name__)
+#: One script call: its keys and its arguments.
+_Script = tuple[list[str], list[str | int]]
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Groups whose lease end a node remembers (about 100 bytes each); past that it forgets them
 #: all (a hint only saves a PTTL read). Above the 10,000 groups one process may lead.
@@ -102,7 +107,8 @@ class _Calls(DriverCalls):
     own deadline (the election's ``call_until``). Renewals and releases go first
     (`Slots`): when more calls come than the client can send, the terms already won keep
     their leases, instead of waiting behind the campaigns of those that lost theirs, which
-    would make them lose theirs too.
+    would make them lose theirs too. So does a batch of acquires (one at a time), which
+    answers many callers with one connection.
     """
 
     def __init__(
@@ -167,9 +173,10 @@ class _Calls(DriverCalls):
             self._slots.release()
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """A pool connection for a pipeline of renewals: before every other call."""
-        await self._slots.acquire(first=True)
+    async def slot(self, *, first: bool = True) -> AsyncIterator[None]:
+        """A pool connection for a batch; *first*: before every other call (renewals and
+        releases, which keep won terms)."""
+        await self._slots.acquire(first=first)
         try:
             yield
         finally:
@@ -261,8 +268,34 @@ class Node:
         self._reading: dict[str, asyncio.Future[float | None]] = {}
         #: Renewals asked for in one loop turn go in one pipeline, on a connection taken
         #: before other calls' (`Slots`): one send and one reply read for all of them.
-        self._renewals: Batches[tuple[list[str], list[str | int]], Any] = Batches(
+        self._renewals: Batches[_Script, Any] = Batches(
             self._renew_many, timeout=calls.timeout, slot=calls.slot
+        )
+        #: Acquires and releases go at once when none of their kind is on its way, alone
+        #: (the plain script: a handoff's pays no pipeline); those asked for meanwhile go
+        #: together in one pipeline after it, before other calls waiting for a connection
+        #: (one batch of each kind at a time, so they cannot crowd out the rest). A
+        #: process starting 10,000 elections sends a few pipelines, not 10,000 scripts
+        #: that queue for the pool's connections behind its watches' first reads.
+        self._acquires: Batches[_Script, Any] = Batches(
+            functools.partial(self._run_many, self._acquire),
+            timeout=calls.timeout,
+            slot=calls.slot,
+            eager=True,
+        )
+        self._releases: Batches[_Script, Any] = Batches(
+            functools.partial(self._run_many, self._release),
+            timeout=calls.timeout,
+            slot=calls.slot,
+            eager=True,
+        )
+        #: The watches' reads of a lease's end (PTTL) likewise: 10,000 watches opening at
+        #: once send a few pipelines.
+        self._pttls: Batches[str, Any] = Batches(
+            self._pttl_many,
+            timeout=calls.timeout,
+            slot=functools.partial(calls.slot, first=False),
+            eager=True,
         )
 
     @classmethod
@@ -366,8 +399,12 @@ class Node:
         args: list[str | int] = [
             participant_id, lease_ms, metadata, candidate, int(clock_floor), channel, attempt,
         ]  # fmt: skip
-        write = self._write(self._acquire, [lease, counter], args, lease_ms)
-        reply, replicas = await self.calls.call("acquire", write, limit=within)
+        if self.settings.wait_replicas:
+            write = self._write(self._acquire, [lease, counter], args, lease_ms)
+            reply, replicas = await self.calls.call("acquire", write, limit=within)
+        else:
+            reply = await self._queued("acquire", self._acquires(([lease, counter], args)), within)
+            replicas = None
         if not reply:
             return None
         token, acquired_at = reply
@@ -395,8 +432,7 @@ class Node:
             write = self._write(self._renew, [lease], args, lease_ms)
             reply, replicas = await self.calls.call("renew", write, limit=within)
         else:
-            queued = self._renewals(([lease], args))
-            reply = await self.calls.call("renew", queued, limit=within, slot=False)
+            reply = await self._queued("renew", self._renewals(([lease], args)), within)
             replicas = None
         renewed = int(reply) == 1
         if renewed:
@@ -412,15 +448,33 @@ class Node:
             )
         return renewed
 
-    async def _renew_many(self, calls: list[tuple[list[str], list[str | int]]]) -> list[Any]:
+    async def _queued(self, op: str, queued: Awaitable[T], within: float | None) -> T:
+        """A call sent in a batch (`Batches`), within *within* seconds or else twice the
+        call timeout: the batch on its way when it was asked for, then its own, each
+        bounded by the timeout (slot wait and send), however large. A herd's callers
+        (10,000 elections starting) then wait for the batch that answers them, instead of
+        leaving one timeout after asking while it is on its way, and asking again."""
+        limit = 2 * self.calls.timeout if within is None else within
+        return await self.calls.call(op, queued, limit=limit, slot=False)
+
+    async def _renew_many(self, calls: list[_Script]) -> list[Any]:
         """The RENEW script's replies for a batch of renewals, in one pipeline (`Batches`)."""
         if self._check is not None:
             await self._check()
         return await self._pipeline(self._renew, calls)
 
-    async def _pipeline(
-        self, script: AsyncScript, calls: list[tuple[list[str], list[str | int]]]
-    ) -> list[Any]:
+    async def _run_many(self, script: AsyncScript, calls: list[_Script]) -> list[Any]:
+        """*script*'s replies for a batch of acquires or releases (`Batches`): one alone
+        runs the script itself, more go in one pipeline. Behind Sentinel, the sentinels
+        are asked first which node is the master (the acquires go there, or nowhere)."""
+        if self._check is not None and script is self._acquire:
+            await self._check()
+        if len(calls) == 1:
+            keys, args = calls[0]
+            return [await script(keys=keys, args=args)]
+        return await self._pipeline(script, calls)
+
+    async def _pipeline(self, script: AsyncScript, calls: list[_Script]) -> list[Any]:
         """Run *script* once per (keys, args) in one pipeline; each reply or its error."""
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
@@ -449,8 +503,8 @@ class Node:
     ) -> bool:
         """Delete the participant's lease with *token*, or with *attempt* (any token) if given."""
         lease, _, channel = self._keys(group)
-        script = self._release(keys=[lease], args=[participant_id, token, channel, attempt])
-        return int(await self.calls.call("release", script, limit=within)) == 1
+        queued = self._releases(([lease], [participant_id, token, channel, attempt]))
+        return int(await self._queued("release", queued, within)) == 1
 
     async def commit(
         self, group: str, participant_id: str, given: int, token: int, within: float | None
@@ -511,8 +565,17 @@ class Node:
 
     async def _pttl(self, group: str) -> float | None:
         lease, _, _ = self._keys(group)
-        ms = int(await self.calls.call("pttl", self.client.pttl(lease)))
+        ms = int(await self._queued("pttl", self._pttls(lease), None))
         return ms / 1000 if ms >= 0 else None  # -1: no expiry, -2: no lease
+
+    async def _pttl_many(self, keys: list[str]) -> list[Any]:
+        """PTTL of each key (`Batches`): one alone, more in one pipeline."""
+        if len(keys) == 1:
+            return [await self.client.pttl(keys[0])]
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.pttl(key)
+        return await pipe.execute(raise_on_error=False)
 
     def _remember(self, channel: Any, data: Any) -> str | None:
         """The group a message's *channel* names, after noting what *data* says of it."""
@@ -573,7 +636,8 @@ class Node:
         if self.calls.closed:
             return
         self.calls.closed = True
-        await self._renewals.aclose()
+        for batches in (self._acquires, self._renewals, self._releases, self._pttls):
+            await batches.aclose()
         for close in self._closers:
             try:
                 await close()

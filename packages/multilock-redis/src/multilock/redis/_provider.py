@@ -26,8 +26,9 @@ released, and `ProviderError` says why) and such a renew does not count (`Provid
 the term keeps its earlier deadline). Behind Sentinel, every acquire and renew first
 asks the sentinels which node is the master and goes there (see `_sentinel`), so a
 client does not go on writing to an old master. Every call is bounded by
-``socket_connect_timeout + socket_timeout``; the driver retries only a broken connection,
-once and at once; failures raise `ProviderError`.
+``socket_connect_timeout + socket_timeout`` (twice that for a call sent in a batch: the
+batch on its way, then its own; see `_node`); the driver retries only a broken
+connection, once and at once; failures raise `ProviderError`.
 """
 
 from __future__ import annotations
