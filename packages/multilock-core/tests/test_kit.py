@@ -283,6 +283,35 @@ def test_driver_errors_name_the_store_and_keep_no_secret():
     run(body)
 
 
+def test_a_batched_call_has_no_deadline_of_its_own_but_the_same_errors():
+    # A call sent through `Batches` is bounded by the batches (the batch on its way, then
+    # its own): `batched` adds no deadline, so one that waited longer than the timeout
+    # for the batch before its own still gets its answer.
+    async def body(clock: FakeClock) -> None:
+        calls = DriverCalls("redis", "redis://db", timeout=2.0, failures=(OSError,))
+        loop = asyncio.get_running_loop()
+
+        async def queued() -> str:
+            await asyncio.sleep(3.5)
+            return "granted"
+
+        started = loop.time()
+        assert await calls.batched("acquire", queued()) == "granted"
+        assert loop.time() - started == pytest.approx(3.5)
+
+        async def refused() -> None:
+            raise OSError("connection refused")
+
+        with pytest.raises(ProviderError, match="redis release failed on redis://db") as info:
+            await calls.batched("release", refused())
+        assert isinstance(info.value.__cause__, OSError)
+        calls.closed = True
+        with pytest.raises(ProviderError, match="closed"):
+            await calls.batched("renew", queued())
+
+    run(body)
+
+
 async def test_a_cancelled_blocking_call_returns_only_once_the_thread_is_done():
     calls = DriverCalls("s3", "http://s3", timeout=5.0)
     started, release = threading.Event(), threading.Event()

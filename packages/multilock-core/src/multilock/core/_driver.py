@@ -114,9 +114,19 @@ class DriverCalls:
 
     async def call(self, op: str, call: Awaitable[T], *, limit: float | None = None) -> T:
         """Await one driver call within *limit* seconds (default: the timeout)."""
+        return await self._await(op, call, self.timeout if limit is None else limit)
+
+    async def batched(self, op: str, call: Awaitable[T]) -> T:
+        """Await a call sent through `Batches` (``batches(item)``), which bounds itself:
+        the batch on its way when it was asked for, then its own, each within the batches'
+        timeout. Failures become `ProviderError` as `call`'s do; no deadline is added, so
+        a herd's callers wait for the batch that answers them."""
+        return await self._await(op, call, None)
+
+    async def _await(self, op: str, call: Awaitable[T], limit: float | None) -> T:
         self._check_open(call)
         try:
-            async with asyncio.timeout(self.timeout if limit is None else limit):
+            async with asyncio.timeout(limit):  # None: no timer at all
                 return await call
         except ProviderError:
             raise

@@ -32,7 +32,8 @@ Connections the provider opened are dropped when they break and reopened by the 
 call; a call that failed only because a reused idle connection was dead (the server
 restarted) is retried once on a fresh one. Calls are bounded by ``connect_timeout``, by
 ``statement_timeout`` on the server, and by their sum plus one second in the client
-(psycopg may take a few more seconds to cancel a query it was interrupted in). A
+(psycopg may take a few more seconds to cancel a query it was interrupted in; a call in
+a batch, by twice that: the batch on its way when it was asked for, then its own). A
 connection or pool passed in is never closed or reconnected here. When the LISTEN
 connection breaks, every open watch raises `ProviderError`; the next ``watch`` listens anew.
 
@@ -209,7 +210,7 @@ class PostgresProvider(Provider):
     ) -> LeaderInfo | None:
         payload = f"{group} {lease_duration!r}"
         acquire = (group, participant_id, lease_duration, json.dumps(dict(metadata)), payload)
-        taken = await self._calls.call("try_acquire", self._acquires(acquire))
+        taken = await self._calls.batched("try_acquire", self._acquires(acquire))
         if taken is None:
             return None
         token, acquired_at = taken
@@ -243,7 +244,7 @@ class PostgresProvider(Provider):
     ) -> bool:
         sent = asyncio.get_running_loop().time()
         renewal = (group, participant_id, token, lease_duration, json.dumps(dict(metadata)))
-        renewed = await self._calls.call("renew", self._renewals(renewal))
+        renewed = await self._calls.batched("renew", self._renewals(renewal))
         if renewed:
             # A renewal notifies nobody: note the lease's new end (no earlier than this)
             # for the watches here, the leader's own among them, which would else read
@@ -259,7 +260,7 @@ class PostgresProvider(Provider):
         return [(g, p, t) in renewed for g, p, t, _, _ in renewals]
 
     async def release(self, group: str, participant_id: str, token: int) -> None:
-        await self._calls.call("release", self._releases((group, participant_id, token)))
+        await self._calls.batched("release", self._releases((group, participant_id, token)))
 
     async def _release_many(self, releases: list[_Release]) -> list[None]:
         """Release a batch in one statement (`Batches`): each row by its participant and

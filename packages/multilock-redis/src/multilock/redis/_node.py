@@ -19,7 +19,7 @@ import functools
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -172,15 +172,25 @@ class _Calls(DriverCalls):
         finally:
             self._slots.release()
 
-    @contextlib.asynccontextmanager
-    async def slot(self, *, first: bool = True) -> AsyncIterator[None]:
+    def slot(self, *, first: bool = True) -> _Slot:
         """A pool connection for a batch; *first*: before every other call (renewals and
         releases, which keep won terms)."""
-        await self._slots.acquire(first=first)
-        try:
-            yield
-        finally:
-            self._slots.release()
+        return _Slot(self._slots, first)
+
+
+class _Slot:
+    """`Slots` as an async context manager (a plain class: it is entered on every call)."""
+
+    __slots__ = ("_first", "_slots")
+
+    def __init__(self, slots: Slots, first: bool) -> None:
+        self._slots, self._first = slots, first
+
+    async def __aenter__(self) -> None:
+        await self._slots.acquire(first=self._first)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._slots.release()
 
 
 #: The calls that keep a won term: they take a free connection before any other call.
@@ -449,13 +459,14 @@ class Node:
         return renewed
 
     async def _queued(self, op: str, queued: Awaitable[T], within: float | None) -> T:
-        """A call sent in a batch (`Batches`), within *within* seconds or else twice the
-        call timeout: the batch on its way when it was asked for, then its own, each
-        bounded by the timeout (slot wait and send), however large. A herd's callers
+        """A call sent in a batch (`Batches`), within *within* seconds if given; else the
+        batches bound it: the batch on its way when it was asked for, then its own, each
+        within the call timeout (slot wait and send), however large. A herd's callers
         (10,000 elections starting) then wait for the batch that answers them, instead of
         leaving one timeout after asking while it is on its way, and asking again."""
-        limit = 2 * self.calls.timeout if within is None else within
-        return await self.calls.call(op, queued, limit=limit, slot=False)
+        if within is None:
+            return await self.calls.batched(op, queued)
+        return await self.calls.call(op, queued, limit=within, slot=False)
 
     async def _renew_many(self, calls: list[_Script]) -> list[Any]:
         """The RENEW script's replies for a batch of renewals, in one pipeline (`Batches`)."""
