@@ -233,6 +233,72 @@ def test_a_resigner_does_not_read_the_group_before_its_successor_took_it():
     run(body)
 
 
+class HeldWatch(FaultyProvider):
+    """A store whose watches, while held, keep their notifications; let go, each yields
+    once per notification it kept, back to back, as when several messages are read from
+    one packet or the loop was busy."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.open = asyncio.Event()
+        self.open.set()
+
+    def watch(self, group):
+        return self._held(self.inner.watch(group))
+
+    async def _held(self, inner):
+        kept: asyncio.Queue[None] = asyncio.Queue()
+
+        async def pump():
+            async for _ in inner:
+                kept.put_nowait(None)
+
+        pumping = asyncio.ensure_future(pump())
+        try:
+            while True:
+                await kept.get()
+                await self.open.wait()
+                yield None
+                while not kept.empty():
+                    kept.get_nowait()
+                    yield None
+        finally:
+            pumping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pumping
+
+
+def test_a_resigner_takes_back_a_group_its_successor_gave_up_before_it_looked():
+    # The resigner's notifications come together: its own release's, its successor's new
+    # term's and that term's release's. Taking that one wake-up for its own release's
+    # alone, it held off its whole retry_interval while the group stood vacant (the
+    # successor holding off too, having resigned).
+    async def body(clock, store):
+        retry = 5.0
+        held = HeldWatch(store)
+        a = election(held, "a", retry_interval=retry)
+        b = election(store, "b", retry_interval=retry)
+        await a.start()
+        await leads(a, 1.0)
+        await b.start()
+        await asyncio.sleep(LEASE / 2)  # both watches are on
+        held.open.clear()
+        await a.resign()
+        await leads(b, 1.0)
+        await b.resign()
+        await asyncio.sleep(0.01)
+        assert await store.get_leader("g") is None
+        loop = asyncio.get_running_loop()
+        let_go = loop.time()
+        held.open.set()
+        await leads(a, retry)
+        assert loop.time() - let_go < 0.01, "the resigner held off with the group vacant"
+        await a.stop()
+        await b.stop()
+
+    run(body)
+
+
 def test_two_elections_with_one_participant_id_never_both_lead():
     async def body(clock, store):
         # Two processes configured with the same id: each has its own provider.

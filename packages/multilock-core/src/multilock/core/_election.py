@@ -131,6 +131,8 @@ class _Campaign:
     round_trip: float = 0.0
     #: A term ended: the next notification is most likely our own release's.
     own_wake_next: bool = False
+    #: The watch's notification count (`LeaderElection._notifications`) when it ended.
+    notifications_at_end: int = 0
     #: The hold-off ended on a notification, perhaps of a successor's acquire still under
     #: way (on one node of several): read before trying.
     look_first: bool = False
@@ -204,6 +206,9 @@ class LeaderElection:
         self._shutdown_task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()  # the store may have changed: look again
+        #: Notifications the watch has yielded (not its first yield, which says it is on):
+        #: several may come before the campaign looks, and `_wake` holds only one.
+        self._notifications = 0
         self._interrupt = asyncio.Event()  # the leader loop: renew now, or the term ended
         self._stats = _Stats()
         self._log = ElectionLog(log, options.group, options.participant_id, self._now)
@@ -594,6 +599,7 @@ class LeaderElection:
         # every term back at once. The hold-off ends early once another participant leads.
         campaign.holdoff_until = now + self._options.retry_interval + self._provider.notify_delay
         campaign.own_wake_next = True
+        campaign.notifications_at_end = self._notifications
         if self._state is ElectionState.LEADING:
             self._step(_Event.TERM_ENDED)
         else:
@@ -749,13 +755,18 @@ class LeaderElection:
             # already): the hold-off has done its job, but the round reads first (the
             # successor may still be acquiring, on Redlock one node after another).
             campaign.own_wake_next = False
-            settle = min(self._clock() + 2 * campaign.round_trip, campaign.holdoff_until)
-            if settle > self._clock():
-                self._wake.clear()
-                await sleep_until(settle, self._wake)
-                if self._wake.is_set():
-                    campaign.holdoff_until, campaign.look_first = 0.0, True
-                self._wake.set()  # still a round after a notification
+            if self._notifications - campaign.notifications_at_end > 1:
+                # That next one came already, before this look (several notifications
+                # read at once, or a busy loop): one wake-up stands for them all.
+                campaign.holdoff_until, campaign.look_first = 0.0, True
+            else:
+                settle = min(self._clock() + 2 * campaign.round_trip, campaign.holdoff_until)
+                if settle > self._clock():
+                    self._wake.clear()
+                    await sleep_until(settle, self._wake)
+                    if self._wake.is_set():
+                        campaign.holdoff_until, campaign.look_first = 0.0, True
+                    self._wake.set()  # still a round after a notification
         # Woken by the store, the group has likely changed hands: the next round tries to
         # acquire at once. Woken by the timer (the safety net), it only looks first.
         campaign.notified = self._wake.is_set()
@@ -829,6 +840,8 @@ class LeaderElection:
                 async for _ in stream:
                     raise_if_cancelled()
                     self._wake.set()
+                    if watching:
+                        self._notifications += 1
                     if self._term is not None and watching:
                         self._interrupt.set()  # a leader checks its lease at once
                     # The first yield only says the watch is on: a leader need not renew.
