@@ -76,6 +76,17 @@ async def next_wake(watch: AsyncIterator[None], within: float) -> float:
     return time.monotonic() - started
 
 
+async def close_watches(
+    waiting: list[asyncio.Future[None]], watches: list[AsyncIterator[None]]
+) -> None:
+    """Cancel the tasks *waiting* on watches, then close the *watches*."""
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    for w in watches:
+        await w.aclose()  # type: ignore[attr-defined]
+
+
 # -- the contract, built the other ways --------------------------------------------------
 
 
@@ -635,11 +646,7 @@ async def test_watches_of_many_groups_share_one_connection_per_server(
         async with asyncio.timeout(2.0):
             await asyncio.gather(*woken)
     finally:
-        for task in woken:
-            task.cancel()
-        await asyncio.gather(*woken, return_exceptions=True)
-        for w in watches:
-            await w.aclose()  # type: ignore[attr-defined]
+        await close_watches(woken, watches)
         await watcher.aclose()
         await other.aclose()
         for admin in admins:
@@ -698,11 +705,7 @@ async def test_watches_opening_at_once_read_their_leases_in_one_pipeline(
             await asyncio.sleep(0.1)
             assert not any(w.done() for w in waiting), "a watch woke with its lease live"
         finally:
-            for task in waiting:
-                task.cancel()
-            await asyncio.gather(*waiting, return_exceptions=True)
-            for w in watches:
-                await w.aclose()  # type: ignore[attr-defined]
+            await close_watches(waiting, watches)
 
 
 @pytest.mark.parametrize("kind", ["redis", "redlock"])
