@@ -123,15 +123,19 @@ def test_a_follower_sends_nothing_and_waits_no_longer_than_the_retry_interval(
     a = make("a", multilock_reset_on_acquire=False)
     leader_now(a)
     b = make("b", multilock_reset_on_acquire=False)
-    before = clock.now
+    waits = []
     for _ in range(3):
+        # Each tick timed alone: between ticks the loop thread is idle, and the clock
+        # (real_grace) moves on to its next timer, by as much as a machine under load
+        # takes to call the next tick.
+        before = clock.now
         assert b.tick() == 0.0
-    waited = clock.now - before
+        waits.append(clock.now - before)
     election = b.election
     assert election is not None
     assert not election.is_leader
-    # Three ticks waited for a term, each at most one (jittered) retry interval.
-    assert 0 < waited <= 3 * election.options.retry_interval + 0.1
+    # Each tick waited for a term, at most one (jittered) retry interval.
+    assert all(0 < w <= election.options.retry_interval + 0.05 for w in waits), waits
     assert sent == []
 
 
