@@ -33,6 +33,11 @@ def record_path(provider: FileSystemProvider, group: str) -> Path:
     return provider._paths(group).record
 
 
+async def prepared(provider: FileSystemProvider) -> None:
+    """Wait until *provider* has prepared the release records of the terms it began."""
+    await asyncio.gather(*provider._preparing)
+
+
 def read_json(path: Path) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(path.read_bytes())
     return data
@@ -265,6 +270,143 @@ async def test_without_boot_id_the_boot_time_estimate_decides(
     assert taken.token == info.token + 1
 
 
+# The release record, prepared while the term runs.
+
+
+@pytest.fixture
+def fsyncs(monkeypatch: Any) -> list[int]:
+    """Every fsync a lease file's write makes, by file descriptor."""
+    seen: list[int] = []
+    original = _record._fsync
+
+    def counting_fsync(fd: int) -> None:
+        seen.append(fd)
+        original(fd)
+
+    monkeypatch.setattr(_record, "_fsync", counting_fsync)
+    return seen
+
+
+async def test_a_prepared_release_is_one_rename(tmp_path: Path, fsyncs: list[int]) -> None:
+    provider = FileSystemProvider(tmp_path)
+    info = await provider.try_acquire("g", "p1", LEASE, {"k": "v"})
+    assert info is not None
+    await prepared(provider)
+    paths = provider._paths("g")
+    assert paths.free.name == "g.lease.free"
+    assert paths.free.read_bytes() == _record.Record(info.token).dump("g")
+    assert len(fsyncs) == 3  # the acquire's record and directory, the prepared file
+    prepared_inode = os.stat(paths.free).st_ino
+    fsyncs.clear()
+    await provider.release("g", "p1", info.token)
+    assert fsyncs == []  # no write: the prepared file became the record
+    assert os.stat(paths.record).st_ino == prepared_inode
+    assert not paths.free.exists()
+    assert read_json(paths.record) == {
+        "format": 1,
+        "group": "g",
+        "token": info.token,
+        "holder": None,
+    }
+    again = await provider.try_acquire("g", "p2", LEASE, {})
+    assert again is not None
+    assert again.token == info.token + 1
+    await provider.aclose()
+
+
+async def test_a_release_before_its_record_is_prepared_writes_it(
+    tmp_path: Path, fsyncs: list[int], monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(_provider, "PREPARE_AFTER", 3600.0)
+    provider = FileSystemProvider(tmp_path)
+    paths = provider._paths("g")
+    earlier = await provider.try_acquire("g", "p0", LEASE, {})
+    assert earlier is not None
+    await provider.release("g", "p0", earlier.token)
+    # A prepared file left by that earlier term (say its provider crashed, then the
+    # group was released by hand).
+    paths.free.write_bytes(_record.Record(earlier.token).dump("g"))
+    first = await provider.try_acquire("g", "p1", LEASE, {})
+    assert first is not None
+    assert first.token == earlier.token + 1
+    assert len(provider._preparing) == 2  # both waiting for PREPARE_AFTER
+    fsyncs.clear()
+    await provider.release("g", "p1", first.token)
+    assert len(fsyncs) == 1  # the record written and fsynced (no directory fsync)
+    assert read_json(paths.record) == {
+        "format": 1,
+        "group": "g",
+        "token": first.token,
+        "holder": None,
+    }
+    # Late, or for a term that has ended: nothing is prepared.
+    provider._prepare_release("g", "p1", first.token, threading.Event())
+    assert paths.free.read_bytes() == _record.Record(earlier.token).dump("g")
+    await provider.aclose()
+    assert not provider._preparing  # cancelled by aclose
+
+
+async def test_a_release_whose_prepared_file_is_gone_writes_its_record(
+    tmp_path: Path, fsyncs: list[int]
+) -> None:
+    provider = FileSystemProvider(tmp_path)
+    info = await provider.try_acquire("g", "p1", LEASE, {})
+    assert info is not None
+    await prepared(provider)
+    paths = provider._paths("g")
+    paths.free.unlink()
+    fsyncs.clear()
+    await provider.release("g", "p1", info.token)
+    assert len(fsyncs) == 1
+    assert read_json(paths.record) == {
+        "format": 1,
+        "group": "g",
+        "token": info.token,
+        "holder": None,
+    }
+    await provider.aclose()
+
+
+async def test_a_term_that_ended_never_renames_its_prepared_file(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    first, second = FileSystemProvider(tmp_path), FileSystemProvider(tmp_path)
+    paths = first._paths("g")
+    info = await first.try_acquire("g", "p1", 0.3, {})
+    assert info is not None
+    await prepared(first)
+    assert paths.free.exists()
+    expires_at = read_json(paths.record)["expires_at"]
+    await wait_until(lambda: time.monotonic() > expires_at, 5, "the first term to expire")
+    monkeypatch.setattr(_provider, "PREPARE_AFTER", 3600.0)
+    taken = await second.try_acquire("g", "p2", LEASE, {})
+    assert taken is not None
+    assert taken.token == info.token + 1
+    record = paths.record.read_bytes()
+    await first.release("g", "p1", info.token)  # too late: its term has ended
+    assert paths.record.read_bytes() == record
+    assert paths.free.exists()  # the first term's, never renamed
+    await second.release("g", "p2", taken.token)  # not prepared yet: written
+    assert read_json(paths.record) == {
+        "format": 1,
+        "group": "g",
+        "token": taken.token,
+        "holder": None,
+    }
+    # The first provider's next term does not take the old file for its own.
+    again = await first.try_acquire("g", "p1", LEASE, {})
+    assert again is not None
+    await first.release("g", "p1", again.token)
+    assert read_json(paths.record) == {
+        "format": 1,
+        "group": "g",
+        "token": again.token,
+        "holder": None,
+    }
+    await first.aclose()
+    await second.aclose()
+
+
 # The lock.
 
 
@@ -451,6 +593,7 @@ async def test_watch_sleeps_through_renewals_and_wakes_at_expiry(
     follower = FileSystemProvider(tmp_path, poll_interval=0.02, notify=notify)
     info = await leader.try_acquire("g", "p1", 0.6, {})
     assert info is not None
+    await prepared(leader)  # its read of the record is done
     watch = follower.watch("g")
     assert isinstance(watch, AsyncIterator)
     async with wakes(watch) as woke:

@@ -7,7 +7,11 @@ Every operation takes its group's lock (``flock``, see `_lock`), reads the recor
 decides and, if it changes anything, writes ``<group>.lease.json.tmp``, fsyncs it, renames
 it over the record with `os.replace` and, when the token rose, fsyncs the directory.
 Readers therefore see the old record or the new one, never a mix, and a crash mid-write
-leaves only the temp file behind.
+leaves only the temp file behind. A release is usually a single rename: shortly after a
+term begins (``PREPARE_AFTER``), its provider writes and fsyncs that term's release record
+to ``<group>.lease.free`` (under the lock, while the term holds the record), so the
+handoff to the next leader pays no write and no fsync; a release before then, or one
+whose prepared file is gone, writes as above.
 
 Guarantees:
 
@@ -48,12 +52,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterator,
+    Mapping,
+)
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast
@@ -69,7 +82,15 @@ from multilock.core.provider import (
 )
 
 from ._lock import LockTimeout, exclusive
-from ._record import Record, new_lease, parse, read_cached, read_file, write_atomic
+from ._record import (
+    Record,
+    new_lease,
+    parse,
+    read_cached,
+    read_file,
+    write_atomic,
+    write_file,
+)
 from ._url import parse_url
 from ._watch import RECORD_SUFFIX, listen, network_file_system, poll_record
 
@@ -88,10 +109,18 @@ class _Abandoned(Exception):
     """The caller was cancelled before this worker took the lock."""
 
 
+#: Seconds into a term when its provider prepares the term's release record: late
+#: enough to stay off the acquire's path (the successor's ACQUIRED, the former
+#: leader's wake-up), early enough for nearly every real term.
+PREPARE_AFTER = 0.01
+
+
 class _Paths(NamedTuple):
     record: Path
     lock: Path
     temp: Path
+    #: The release record of the current term, written ahead (see `PREPARE_AFTER`).
+    free: Path
 
 
 # What an operation decides, given the record (None: no file yet) and the monotonic now:
@@ -144,6 +173,10 @@ class FileSystemProvider(Provider):
         self._notifications = Notifications(
             self._listen, name=f"filesystem {self._directory}", expires_in=self._expires_in
         )
+        #: Group -> the token whose release record this provider last wrote to
+        #: ``<group>.lease.free``; changed only under the group's lock.
+        self._prepared: dict[str, int] = {}
+        self._preparing: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> FileSystemProvider:
@@ -166,22 +199,51 @@ class FileSystemProvider(Provider):
         if os.sep in stem or (os.altsep and os.altsep in stem):  # valid names have none
             raise ConfigurationError(f"group {group!r} cannot be a file name")
         record = self._directory / f"{stem}{RECORD_SUFFIX}"
-        return _Paths(record, record.with_name(f"{stem}.lease.lock"), Path(f"{record}.tmp"))
+        return _Paths(
+            record,
+            record.with_name(f"{stem}.lease.lock"),
+            Path(f"{record}.tmp"),
+            record.with_name(f"{stem}.lease.free"),
+        )
 
     # Worker-thread side: everything here blocks.
 
     def _transact(self, group: str, step: _Step[T], abandoned: threading.Event) -> T:
+        with self._locked(group, abandoned) as paths:
+            record = self._read(paths.record, group)
+            new, result = step(record, time.monotonic())
+            if new is None:
+                return result
+            raised = record is None or new.token != record.token
+            if raised:
+                self._prepared.pop(group, None)  # a new term: nothing is prepared for it
+            elif new.holder is None and self._prepared.pop(group, None) == new.token:
+                with contextlib.suppress(FileNotFoundError):  # removed: write it below
+                    os.replace(paths.free, paths.record)  # the term's own release record
+                    return result
+            write_atomic(paths.record, paths.temp, new.dump(group), durable=raised)
+            return result
+
+    def _prepare_release(
+        self, group: str, holder: str, token: int, abandoned: threading.Event
+    ) -> None:
+        """While *holder*'s term *token* holds the record, write and fsync its release
+        record to ``<group>.lease.free`` for `release` to rename."""
+        with self._locked(group, abandoned) as paths:
+            record = self._read(paths.record, group)
+            if record is not None and _holds(record, time.monotonic(), holder, token):
+                write_file(paths.free, Record(token).dump(group))
+                self._prepared[group] = token
+
+    @contextlib.contextmanager
+    def _locked(self, group: str, abandoned: threading.Event) -> Iterator[_Paths]:
+        """Hold *group*'s lock, mapping failures to `ProviderError`."""
         paths = self._paths(group)
         try:
             with exclusive(paths.lock, self._lock_timeout):
                 if abandoned.is_set():
                     raise _Abandoned
-                record = self._read(paths.record, group)
-                new, result = step(record, time.monotonic())
-                if new is not None:
-                    raised = record is None or new.token != record.token
-                    write_atomic(paths.record, paths.temp, new.dump(group), durable=raised)
-                return result
+                yield paths
         except LockTimeout as exc:
             raise ProviderError(
                 f"timed out after {self._lock_timeout:g} s waiting for the lock {str(paths.lock)!r}"
@@ -208,9 +270,13 @@ class FileSystemProvider(Provider):
             ) from exc
 
     async def _run(self, group: str, step: _Step[T]) -> T:
+        return await self._in_thread(functools.partial(self._transact, group, step))
+
+    @staticmethod
+    async def _in_thread(work: Callable[[threading.Event], T]) -> T:
         abandoned = threading.Event()
         try:
-            return await asyncio.to_thread(self._transact, group, step, abandoned)
+            return await asyncio.to_thread(work, abandoned)
         except asyncio.CancelledError:
             # A worker that has not taken the lock yet now does nothing; one that has
             # finishes under the lock, so whoever locks next sees its write.
@@ -239,7 +305,20 @@ class FileSystemProvider(Provider):
             new = new_lease(token, participant_id, dict(metadata), datetime.now(UTC), expires_at)
             return new, new.info()
 
-        return await self._run(group, step)
+        info = await self._run(group, step)
+        if info is not None:
+            task = asyncio.create_task(self._prepare(group, participant_id, info.token))
+            self._preparing.add(task)
+            task.add_done_callback(self._preparing.discard)
+        return info
+
+    async def _prepare(self, group: str, holder: str, token: int) -> None:
+        await asyncio.sleep(PREPARE_AFTER)
+        work = functools.partial(self._prepare_release, group, holder, token)
+        try:
+            await self._in_thread(work)
+        except (ProviderError, _Abandoned) as exc:  # then the release writes its record
+            log.debug("could not prepare the release of %r: %s", group, exc)
 
     async def renew(
         self,
@@ -289,6 +368,9 @@ class FileSystemProvider(Provider):
 
     async def aclose(self) -> None:
         """Stop the directory watcher; open watches raise `ProviderError`. Idempotent."""
+        for task in list(self._preparing):
+            task.cancel()
+        await asyncio.gather(*self._preparing, return_exceptions=True)
         await self._notifications.aclose()
 
     # Watching: reads without the lock, since a rename replaces a record whole (POSIX).

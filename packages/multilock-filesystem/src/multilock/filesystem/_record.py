@@ -37,6 +37,7 @@ __all__ = [
     "read_cached",
     "read_file",
     "write_atomic",
+    "write_file",
 ]
 
 #: Seconds by which two boot-time estimates may differ and still name the same boot.
@@ -240,6 +241,18 @@ def read_file(path: Path) -> bytes:
         os.close(fd)
 
 
+def write_file(path: Path, data: bytes) -> None:
+    """Write *data* to *path* (created or truncated) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        _fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, temp: Path, data: bytes, *, durable: bool = True) -> None:
     """Replace *path* by *data*: write and fsync *temp*, rename it, fsync the directory.
 
@@ -251,14 +264,7 @@ def write_atomic(path: Path, temp: Path, data: bytes, *, durable: bool = True) -
     left by a writer that crashed is truncated here and never read. Plain `os` calls,
     not `open`: seven or eight system calls instead of ten or eleven.
     """
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        _fsync(fd)
-    finally:
-        os.close(fd)
+    write_file(temp, data)
     os.replace(temp, path)
     if durable and os.name == "posix":  # make the rename durable: tokens never go back
         fd = os.open(path.parent, os.O_RDONLY)
