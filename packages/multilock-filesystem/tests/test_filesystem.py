@@ -43,6 +43,11 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def assert_released(path: Path, token: int) -> None:
+    """*path* is group g's record, free, its last token *token*."""
+    assert read_json(path) == {"format": 1, "group": "g", "token": token, "holder": None}
+
+
 async def wait_until(predicate: Any, within: float, what: str) -> None:
     deadline = time.monotonic() + within
     while not predicate():
@@ -302,12 +307,7 @@ async def test_a_prepared_release_is_one_rename(tmp_path: Path, fsyncs: list[int
     assert fsyncs == []  # no write: the prepared file became the record
     assert os.stat(paths.record).st_ino == prepared_inode
     assert not paths.free.exists()
-    assert read_json(paths.record) == {
-        "format": 1,
-        "group": "g",
-        "token": info.token,
-        "holder": None,
-    }
+    assert_released(paths.record, info.token)
     again = await provider.try_acquire("g", "p2", LEASE, {})
     assert again is not None
     assert again.token == info.token + 1
@@ -333,12 +333,7 @@ async def test_a_release_before_its_record_is_prepared_writes_it(
     fsyncs.clear()
     await provider.release("g", "p1", first.token)
     assert len(fsyncs) == 1  # the record written and fsynced (no directory fsync)
-    assert read_json(paths.record) == {
-        "format": 1,
-        "group": "g",
-        "token": first.token,
-        "holder": None,
-    }
+    assert_released(paths.record, first.token)
     # Late, or for a term that has ended: nothing is prepared.
     provider._prepare_release("g", "p1", first.token, threading.Event())
     assert paths.free.read_bytes() == _record.Record(earlier.token).dump("g")
@@ -358,12 +353,7 @@ async def test_a_release_whose_prepared_file_is_gone_writes_its_record(
     fsyncs.clear()
     await provider.release("g", "p1", info.token)
     assert len(fsyncs) == 1
-    assert read_json(paths.record) == {
-        "format": 1,
-        "group": "g",
-        "token": info.token,
-        "holder": None,
-    }
+    assert_released(paths.record, info.token)
     await provider.aclose()
 
 
@@ -387,22 +377,12 @@ async def test_a_term_that_ended_never_renames_its_prepared_file(
     assert paths.record.read_bytes() == record
     assert paths.free.exists()  # the first term's, never renamed
     await second.release("g", "p2", taken.token)  # not prepared yet: written
-    assert read_json(paths.record) == {
-        "format": 1,
-        "group": "g",
-        "token": taken.token,
-        "holder": None,
-    }
+    assert_released(paths.record, taken.token)
     # The first provider's next term does not take the old file for its own.
     again = await first.try_acquire("g", "p1", LEASE, {})
     assert again is not None
     await first.release("g", "p1", again.token)
-    assert read_json(paths.record) == {
-        "format": 1,
-        "group": "g",
-        "token": again.token,
-        "holder": None,
-    }
+    assert_released(paths.record, again.token)
     await first.aclose()
     await second.aclose()
 
