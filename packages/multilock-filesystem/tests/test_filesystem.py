@@ -387,6 +387,77 @@ async def test_a_term_that_ended_never_renames_its_prepared_file(
     await second.aclose()
 
 
+class _Clock:
+    """A stand-in for the provider module's `time`: `monotonic` moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_prepared_releases_under_a_seeded_mix_of_terms(
+    tmp_path: Path, monkeypatch: Any, seed: int
+) -> None:
+    """Three providers (as three processes) acquire, renew, prepare, release, lose the
+    prepared file and let leases expire in a seeded order, on a clock moved by hand; the
+    record must always be what a plain model of one lease says, and every release leave
+    exactly its own term's token."""
+    import random
+
+    clock = _Clock()
+    monkeypatch.setattr(_provider, "time", clock)
+    monkeypatch.setattr(_provider, "PREPARE_AFTER", 3600.0)  # prepared here, by hand
+    rng = random.Random(seed)
+    providers = [FileSystemProvider(tmp_path) for _ in range(3)]
+    paths = providers[0]._paths("g")
+    tokens = [0, 0, 0]  # each participant's last term
+    token, holder, expires, released = 0, -1, 0.0, True  # the model of the lease
+    renames = 0
+    for _ in range(400):
+        live = not released and clock.now < expires
+        op = rng.choice(["acquire", "renew", "prepare", "release", "release", "lose", "wait"])
+        i = holder if live and rng.random() < 0.5 else rng.randrange(3)  # the holder, often
+        if op == "acquire":
+            info = await providers[i].try_acquire("g", f"p{i}", 1.0, {})
+            if live:
+                assert info is None
+            else:
+                assert info is not None
+                assert info.token == token + 1
+                token, holder, expires, released = token + 1, i, clock.now + 1.0, False
+                tokens[i] = token
+        elif op == "renew":
+            ok = await providers[i].renew("g", f"p{i}", tokens[i], 1.0, {})
+            assert ok == (live and (holder, token) == (i, tokens[i]))
+            if ok:
+                expires = clock.now + 1.0
+        elif op == "prepare":
+            providers[i]._prepare_release("g", f"p{i}", tokens[i], threading.Event())
+        elif op == "release":
+            before = os.stat(paths.free).st_ino if paths.free.exists() else None
+            await providers[i].release("g", f"p{i}", tokens[i])
+            if live and (holder, token) == (i, tokens[i]):
+                released = True
+                renames += before is not None and os.stat(paths.record).st_ino == before
+        elif op == "lose":
+            paths.free.unlink(missing_ok=True)  # removed by hand: the release writes instead
+        else:
+            clock.now += rng.choice([0.1, 0.5, 1.0])
+        if token:
+            record = read_json(paths.record)
+            assert record["token"] == token
+            if released:
+                assert_released(paths.record, token)
+            else:
+                assert record["holder"] == f"p{holder}"
+    assert renames > 0  # the prepared path was taken, not only the fallbacks
+    for provider in providers:
+        await provider.aclose()
+
+
 # The lock.
 
 
