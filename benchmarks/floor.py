@@ -20,12 +20,13 @@ Per store:
 - etcd (aetcd): the leader revokes its lease (the key goes with it); the follower's watch
   sees the DELETE, grants a lease and runs one create-if-absent transaction.
 - The file system (`os`, in worker threads as the provider's calls run): the leader, under
-  an exclusive ``flock``, reads the record, writes and fsyncs a temp file and renames it
-  over the record; the directory's inotify descriptor, read by the event loop, wakes the
-  follower, which under the lock reads the record, writes and fsyncs a temp file, renames
-  it and fsyncs the directory (its token rose). The fsyncs are the durability every
-  handoff on a file system must pay: a record that survives a power cut whole, and a
-  token that never goes back.
+  an exclusive ``flock``, reads the record and renames over it the free record it wrote
+  and fsynced when its term began (untimed, as the provider writes it 10 ms into a term);
+  the directory's inotify descriptor, read by the event loop, wakes the follower, which
+  under the lock reads the record, writes and fsyncs a temp file, renames it and fsyncs
+  the directory (its token rose). The fsyncs are the durability every handoff on a file
+  system must pay: a record that survives a power cut whole, and a token that never goes
+  back.
 - ZooKeeper (kazoo's asynchronous API from the event loop, its callbacks run on its
   connection thread and hop to the loop, as the provider's do): the follower's node is
   already queued behind the leader's, with an exists watch on it, as in kazoo's recipes;
@@ -61,8 +62,8 @@ OPERATIONS = {
     "redis": "script DEL + PUBLISH, pub/sub, SET NX PX (redis.asyncio)",
     "postgres": "DELETE + pg_notify, LISTEN, INSERT .. ON CONFLICT (psycopg async)",
     "etcd": "lease revoke, watch, lease grant + create-if-absent txn (aetcd)",
-    "filesystem": "flock + write, fsync, rename; inotify; flock + write, fsync, rename, "
-    "fsync of the directory (os, worker threads)",
+    "filesystem": "flock + rename of a free record written ahead; inotify; flock + write, "
+    "fsync, rename, fsync of the directory (os, worker threads)",
     "zookeeper": "delete of the leader's node; the next node's exists watch (kazoo async API)",
 }
 
@@ -241,10 +242,13 @@ async def _etcd(url: str) -> tuple[Round, Round, Round]:
 IN_MOVED_TO = 0x80
 
 
-def _write_record(directory: str, name: str, holder: bytes, *, free: bool, durable: bool) -> bool:
+def _write_record(
+    directory: str, name: str, holder: bytes, *, free: bool, durable: bool, ahead: bool = False
+) -> bool:
     """Under the group's flock: read the record; unless the holder must be *free* and is
     not, write it through a temp file (fsynced) renamed over it, then with *durable* fsync
-    the directory. Returns whether it wrote."""
+    the directory; with *ahead*, then write and fsync the free record the release will
+    rename. Returns whether it wrote."""
     path = os.path.join(directory, name)
     lock = os.open(f"{path}.lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
@@ -256,13 +260,10 @@ def _write_record(directory: str, name: str, holder: bytes, *, free: bool, durab
             current = b""
         if free and current not in (b"", b"free"):
             return False
-        fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-        try:
-            os.write(fd, holder)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_synced(f"{path}.tmp", holder)
         os.replace(f"{path}.tmp", path)
+        if ahead:
+            _write_synced(f"{path}.free", b"free")
         if durable:
             dir_fd = os.open(directory, os.O_RDONLY)
             try:
@@ -270,6 +271,28 @@ def _write_record(directory: str, name: str, holder: bytes, *, free: bool, durab
             finally:
                 os.close(dir_fd)
         return True
+    finally:
+        os.close(lock)  # drops the flock
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _release_ahead(directory: str, name: str) -> None:
+    """Under the group's flock: read the record, rename the free one written ahead over it."""
+    path = os.path.join(directory, name)
+    lock = os.open(f"{path}.lock", os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(path, "rb") as f:
+            f.read()
+        os.replace(f"{path}.free", path)
     finally:
         os.close(lock)  # drops the flock
 
@@ -317,11 +340,13 @@ async def _filesystem(url: str) -> tuple[Round, Round, Round]:
     loop.add_reader(inotify, on_readable)
 
     async def take() -> None:
-        await asyncio.to_thread(_write_record, directory, name, b"leader", free=False, durable=True)
+        await asyncio.to_thread(
+            _write_record, directory, name, b"leader", free=False, durable=True, ahead=True
+        )
 
     async def hand_over() -> None:
         armed.set()
-        await asyncio.to_thread(_write_record, directory, name, b"free", free=False, durable=False)
+        await asyncio.to_thread(_release_ahead, directory, name)
         if not await won.get():
             raise RuntimeError("the follower found the record held")
 
@@ -329,7 +354,7 @@ async def _filesystem(url: str) -> tuple[Round, Round, Round]:
         loop.remove_reader(inotify)
         os.close(inotify)
         await asyncio.gather(*tasks, return_exceptions=True)
-        for suffix in ("", ".lock", ".tmp"):
+        for suffix in ("", ".lock", ".tmp", ".free"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(directory, name + suffix))
 
