@@ -14,6 +14,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import AsyncIterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -101,10 +102,29 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
 
 @pytest.fixture
 async def refusing_server() -> AsyncIterator[int]:
-    server = await asyncio.start_server(_serve, "127.0.0.1", 0)
+    handlers: set[asyncio.Task[Any]] = set()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        try:
+            await _serve(reader, writer)
+        finally:
+            handlers.discard(task)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port: int = server.sockets[0].getsockname()[1]
     async with server:
         yield port
+    # Each handler closes its connection. Wait for them: a handler still running when the
+    # loop closes leaves its socket to the garbage collector, whose ResourceWarning then
+    # fails whichever later test it happens to run in.
+    if handlers:
+        _, stuck = await asyncio.wait(set(handlers), timeout=5)
+        for task in stuck:
+            task.cancel()
+        await asyncio.gather(*stuck, return_exceptions=True)
 
 
 async def _refusal(url: str) -> tuple[ProviderError, ProviderError]:
