@@ -588,8 +588,9 @@ class Node:
             pipe.pttl(key)
         return await pipe.execute(raise_on_error=False)
 
-    def _remember(self, channel: Any, data: Any) -> str | None:
-        """The group a message's *channel* names, after noting what *data* says of it."""
+    def _remember(self, channel: Any, data: Any) -> tuple[str, str] | None:
+        """The group a message's *channel* names and the message's kind (``acquired``,
+        ``released``), after noting what *data* says of the group."""
         name, start = _text(channel), len(self.prefix) + 1
         if not name.endswith(_scripts.CHANGED) or len(name) <= start + len(_scripts.CHANGED):
             return None
@@ -601,7 +602,7 @@ class Node:
             self._note(group, asyncio.get_running_loop().time() + int(ms) / 1000)
         else:
             self._hints.pop(group, None)
-        return group
+        return group, kind
 
     def _note(self, group: str, ends: float | None) -> None:
         """Note when *group*'s lease ends here (None: released), for `expires_in`."""
@@ -609,8 +610,9 @@ class Node:
             self._hints.clear()
         self._hints[group] = ends
 
-    async def listen(self, ready: Callable[[], None], notify: Callable[[str], None]) -> None:
-        """Subscribe once to every group's channel, then report: `ready`, ``notify(group)``.
+    async def listen(self, ready: Callable[[], None], notify: Callable[[str, str], None]) -> None:
+        """Subscribe once to every group's channel, then report: `ready`, and
+        ``notify(group, kind)`` for each message (*kind*: ``acquired``, ``released``).
 
         Runs until cancelled or the connection breaks (`ProviderError`). redis-py
         reconnects a dropped connection once and subscribes again, which calls `ready`.
@@ -635,9 +637,9 @@ class Node:
                     self._hints.clear()  # messages may have been missed
                     ready()
                 elif message["type"] == "pmessage":
-                    group = self._remember(message["channel"], message["data"])
-                    if group is not None:
-                        notify(group)
+                    event = self._remember(message["channel"], message["data"])
+                    if event is not None:
+                        notify(*event)
         finally:
             self._hints.clear()
             with contextlib.suppress(Exception):

@@ -11,7 +11,7 @@ from multilock.core.provider import Notifications, ProviderError
 
 from ._node import Node
 
-__all__ = ["fanout", "listen_quorum", "quorum_expiry"]
+__all__ = ["OncePerEvent", "fanout", "listen_quorum", "quorum_expiry"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,14 +56,57 @@ async def fanout(
     return results
 
 
+class OncePerEvent:
+    """Every node publishes each event of a group (its acquire, its release): pass the
+    first copy on, to ``notify(group)``, and drop the others.
+
+    Each node's messages come in the order its server ran the scripts, so the k-th
+    ``released`` of a group from one node is the k-th from another: a message is a new
+    event when its node has now sent more of that kind for that group than any other
+    node. A watch thus wakes once per event, not once per node (a resigner would take
+    the copies of its own release for another participant's acts). Counts are kept
+    relative to the node that sent fewest, and dropped once every node has sent the
+    same, so only events some node has yet to report take memory.
+    """
+
+    def __init__(self, nodes: int, notify: Callable[[str], None]) -> None:
+        self._nodes, self._notify = nodes, notify
+        #: (group, kind) -> each node's messages of that kind beyond the fewest any sent.
+        self._ahead: dict[tuple[str, str], list[int]] = {}
+
+    def message(self, node: int, group: str, kind: str) -> None:
+        counts = self._ahead.pop((group, kind), None) or [0] * self._nodes
+        counts[node] += 1
+        if counts[node] > max((c for i, c in enumerate(counts) if i != node), default=0):
+            self._notify(group)  # the first copy of a new event
+        self._keep((group, kind), counts)
+
+    def resubscribed(self, node: int) -> None:
+        """*node* (again) subscribed, and missed what came before: level it with the node
+        that sent most (a copy it did not miss then wakes the watches once more)."""
+        for key, counts in list(self._ahead.items()):
+            counts[node] = max(counts)
+            self._keep(key, counts)
+
+    def _keep(self, key: tuple[str, str], counts: list[int]) -> None:
+        least = min(counts)
+        counts = [c - least for c in counts] if least else counts
+        if any(counts):
+            self._ahead[key] = counts
+        else:
+            self._ahead.pop(key, None)
+
+
 async def listen_quorum(nodes: Sequence[Node], quorum: int, notifications: Notifications) -> None:
     """Listen on every node; ready once *quorum* are subscribed; raise when too few are left.
 
-    A message on any node wakes the group's watches. A node whose subscription breaks is
-    not retried while a quorum remains: the next listener (after every watch closed, or
-    after this one raised) subscribes on every node again.
+    The first copy of each event, whichever node sends it, wakes the group's watches
+    (`OncePerEvent`). A node whose subscription breaks is not retried while a quorum
+    remains: the next listener (after every watch closed, or after this one raised)
+    subscribes on every node again.
     """
     subscribed: set[int] = set()
+    events = OncePerEvent(len(nodes), notifications.notify)
 
     def on_ready(i: int) -> Callable[[], None]:
         def ready() -> None:
@@ -71,13 +114,17 @@ async def listen_quorum(nodes: Sequence[Node], quorum: int, notifications: Notif
             # after a reconnect (it may have missed messages); a late node joining is quiet.
             again = i in subscribed
             subscribed.add(i)
+            events.resubscribed(i)  # what it did not hear is older than its subscription
             if len(subscribed) == quorum or (again and len(subscribed) >= quorum):
                 notifications.ready()
 
         return ready
 
+    def on_message(i: int) -> Callable[[str, str], None]:
+        return lambda group, kind: events.message(i, group, kind)
+
     tasks = [
-        asyncio.ensure_future(node.listen(on_ready(i), notifications.notify))
+        asyncio.ensure_future(node.listen(on_ready(i), on_message(i)))
         for i, node in enumerate(nodes)
     ]
     errors: list[BaseException] = []
