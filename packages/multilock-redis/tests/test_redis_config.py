@@ -206,7 +206,7 @@ def test_the_pattern_escapes_the_prefix_and_messages_name_their_group() -> None:
     assert channel_pattern("multilock:") == "multilock:{*}:changed"
     assert channel_pattern("a*b?[c]") == r"a\*b\?\[c\]{*}:changed"
     node = RedisProvider("redis://localhost:6379/0", key_prefix="p*:")._node
-    assert node._remember(b"p*:{g-1}:changed", b"released") == "g-1"
+    assert node._remember(b"p*:{g-1}:changed", b"released") == ("g-1", "released")
     assert node._hints == {"g-1": None}
     assert node._remember("p*:{}:changed", "released") is None
 
