@@ -966,3 +966,35 @@ def test_from_url_rejects(url: str, message: str) -> None:
 def test_from_url_rejects_an_option_given_twice() -> None:
     with pytest.raises(ConfigurationError, match="both"):
         from_url("file:///tmp/x?lock_timeout=1", lock_timeout=2)
+
+
+async def test_aclose_cancelled_while_a_release_is_prepared_can_be_called_again(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(_provider, "PREPARE_AFTER", 0.0)
+    preparing, go_on = threading.Event(), threading.Event()
+    prepare = FileSystemProvider._prepare_release
+
+    def slow_prepare(self: FileSystemProvider, *args: Any) -> None:
+        preparing.set()
+        go_on.wait(10)
+        prepare(self, *args)
+
+    monkeypatch.setattr(FileSystemProvider, "_prepare_release", slow_prepare)
+    provider = FileSystemProvider(tmp_path)
+    info = await provider.try_acquire("g", "p1", LEASE, {})
+    assert info is not None
+    assert await asyncio.to_thread(preparing.wait, 10)  # its thread is running
+    closing = asyncio.ensure_future(provider.aclose())
+    await asyncio.sleep(0)  # it waits for the cancelled preparation
+    closing.cancel()
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await provider.aclose()  # again, to the end
+    assert not provider._preparing
+    with pytest.raises(ProviderError):
+        async for _ in provider.watch("g"):
+            pass
+    await provider.release("g", "p1", info.token)  # the record is still consistent
+    assert_released(provider._paths("g").record, info.token)
