@@ -332,7 +332,8 @@ PEER_NOTES = [
     "between the windows: renewal commands in a multilock Redis share (EVALSHA and the "
     "HSET, PEXPIRE and HMGET its script runs) are the leader's, which renewed more often "
     "in the second window (a multilock leader also renews at once whenever its own watch "
-    "wakes); the follower's own commands are its HMGET and PTTL, as in section 3's "
+    "wakes, but for its own acquire's notification); the follower's own commands are its "
+    "HMGET and PTTL, as in section 3's "
     "cross-check.",
 ]
 

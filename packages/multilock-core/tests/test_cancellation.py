@@ -233,6 +233,105 @@ def test_a_resigner_does_not_read_the_group_before_its_successor_took_it():
     run(body)
 
 
+def forget(store, group):
+    """Drop *group*'s lease from the in-memory *store* and notify, as an operator's delete
+    or a store's failover would."""
+    with store._store.lock:
+        store._store.leases.pop(group, None)
+    store._notify(group)
+
+
+class LateWatch(RoundTrip):
+    """`RoundTrip`, its watch yielding each notification *lag* seconds late: the reply to a
+    write comes first, then its notification (Redis pub/sub, PostgreSQL NOTIFY)."""
+
+    def __init__(self, inner, lag: float) -> None:
+        super().__init__(inner)
+        self.lag = lag
+
+    def watch(self, group):
+        return self._late(super().watch(group))
+
+    async def _late(self, inner):
+        on = False
+        async for _ in inner:
+            if on:
+                await asyncio.sleep(self.lag)
+            on = True
+            yield None
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.002], ids=["notified first", "answered first"])
+def test_a_new_leader_does_not_renew_for_its_own_acquire_but_for_the_next_notification(lag):
+    # The notification of its own acquire, coming after the reply, used to make a new
+    # leader renew at once: one write per term for nothing. A notification after that one
+    # still ends a dropped term at once.
+    async def body(clock, store):
+        a_store, b_store = LateWatch(store, lag), LateWatch(store, lag)
+        a, b = election(a_store, "a"), election(b_store, "b")
+        await a.start()
+        await leads(a, 1.0)
+        await b.start()
+        await asyncio.sleep(LEASE / 2)  # both watches are on, and a has renewed
+        for leader, store_of, other in ((b, b_store, a), (a, a_store, b)):
+            store_of.made.clear()
+            await other.resign()
+            await leads(leader, 1.0)
+            await asyncio.sleep(LEASE / 10)  # well inside the first renew_interval
+            assert [m for m, _ in store_of.made if m != "watch"] == ["try_acquire"]
+            await asyncio.sleep(LEASE / 2)  # renewed since: the next resign is fresh
+        loop = asyncio.get_running_loop()
+        store_of.made.clear()
+        dropped = loop.time()
+        forget(store, "g")
+        async with asyncio.timeout(0.1):
+            while leader.is_leader:
+                await asyncio.sleep(0.001)
+        assert loop.time() - dropped < 0.01 + lag, "the drop waited for the next renew"
+        assert [m for m, _ in store_of.made if m != "watch"][:1] == ["renew"]
+        await a.stop()
+        await b.stop()
+
+    run(body)
+
+
+class SlowToWatch(FaultyProvider):
+    """A store whose watches come on *delay* seconds after they are asked for."""
+
+    def __init__(self, inner, delay: float) -> None:
+        super().__init__(inner)
+        self.delay = delay
+
+    def watch(self, group):
+        return self._slow(group)
+
+    async def _slow(self, group):
+        await asyncio.sleep(self.delay)
+        async for _ in super().watch(group):
+            yield None
+
+
+def test_a_term_won_before_the_watch_was_on_ends_at_the_next_notification():
+    # Its acquire, sent before the watch was on, never notifies it: the next notification
+    # is another's act, and a dropped lease ends the term at once.
+    async def body(clock, store):
+        a = election(SlowToWatch(store, 0.05), "a")
+        await a.start()
+        await leads(a, 0.01)  # before its watch is on
+        await asyncio.sleep(LEASE / 10)  # the watch is on; no renew yet
+        assert a.statistics().renewals == 0
+        loop = asyncio.get_running_loop()
+        dropped = loop.time()
+        forget(store, "g")
+        async with asyncio.timeout(0.1):
+            while a.is_leader:
+                await asyncio.sleep(0.001)
+        assert loop.time() - dropped < 0.01, "the drop waited for the next renew"
+        await a.stop()
+
+    run(body)
+
+
 class HeldWatch(FaultyProvider):
     """A store whose watches, while held, keep their notifications; let go, each yields
     once per notification it kept, back to back, as when several messages are read from

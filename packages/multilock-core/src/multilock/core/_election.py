@@ -119,6 +119,8 @@ class _Campaign:
     in_doubt: bool = False
     observed: object = _UNKNOWN
     watch_alive: bool = False
+    #: The watch has yielded its first: every change of the group from now on notifies.
+    watching: bool = False
     #: The last campaign round raised: no notification will say the store is back.
     round_failed: bool = False
     #: What it raised, for the message of a timed-out `wait_until_leader`.
@@ -133,6 +135,11 @@ class _Campaign:
     own_wake_next: bool = False
     #: The watch's notification count (`LeaderElection._notifications`) when it ended.
     notifications_at_end: int = 0
+    #: That count when the last acquire was sent (None once a term began from it).
+    notifications_at_try: int | None = None
+    #: A term began with no notification since its acquire was sent: the next one is
+    #: most likely that acquire's own, which gives the leader nothing to check.
+    own_start_next: bool = False
     #: The hold-off ended on a notification, perhaps of a successor's acquire still under
     #: way (on one node of several): read before trying.
     look_first: bool = False
@@ -548,6 +555,9 @@ class LeaderElection:
         )
         self._stats.terms_won += 1
         self._interrupt.clear()
+        campaign = self._campaign
+        campaign.own_start_next = campaign.notifications_at_try == self._notifications
+        campaign.notifications_at_try = None
         self._schedule_deadline(term)
         self._step(_Event.WON)
         vacant_since, self._campaign.vacant_since = self._campaign.vacant_since, None
@@ -598,7 +608,7 @@ class LeaderElection:
         # otherwise a participant whose renews fail but whose acquires succeed would take
         # every term back at once. The hold-off ends early once another participant leads.
         campaign.holdoff_until = now + self._options.retry_interval + self._provider.notify_delay
-        campaign.own_wake_next = True
+        campaign.own_wake_next, campaign.own_start_next = True, False
         campaign.notifications_at_end = self._notifications
         if self._state is ElectionState.LEADING:
             self._step(_Event.TERM_ENDED)
@@ -682,7 +692,8 @@ class LeaderElection:
                     group, me, leader.token, self._options.lease_duration, metadata
                 )
                 if await call_until(renew, bound):
-                    campaign.in_doubt = False
+                    # Its acquire's notification came long ago, or never will.
+                    campaign.in_doubt, campaign.notifications_at_try = False, None
                     return leader, sent
             self._observe(leader)
             self._log.log(
@@ -710,6 +721,8 @@ class LeaderElection:
         campaign, provider, group = self._campaign, self._provider, self.group
         sent = self._clock()
         campaign.in_doubt = True
+        # Sent unwatched, its notification may never come: nothing to wait for then.
+        campaign.notifications_at_try = self._notifications if campaign.watching else None
         acquire = provider.try_acquire(
             group, self.participant_id, self._options.lease_duration, metadata
         )
@@ -805,6 +818,8 @@ class LeaderElection:
             token = term.info.token
             if ok is True:
                 latency = self._clock() - sent
+                # A renewal notifies nobody: any notification from now on is another's act.
+                self._campaign.own_start_next = False
                 self._campaign.round_trip = latency
                 self._stats.renewals += 1
                 self._stats.last_renew_latency = latency
@@ -836,20 +851,22 @@ class LeaderElection:
                 return
             try:
                 campaign.watch_alive = True
-                watching = False
                 async for _ in stream:
                     raise_if_cancelled()
                     self._wake.set()
-                    if watching:
+                    if campaign.watching:
                         self._notifications += 1
-                    if self._term is not None and watching:
-                        self._interrupt.set()  # a leader checks its lease at once
+                    if self._term is not None and campaign.watching:
+                        if campaign.own_start_next:
+                            campaign.own_start_next = False  # its own acquire's: no renew
+                        else:
+                            self._interrupt.set()  # a leader checks its lease at once
                     # The first yield only says the watch is on: a leader need not renew.
-                    watching = True
+                    campaign.watching = True
             except Exception as exc:
                 self._log.failed("watch (polling until it is back)", exc)
             finally:
-                campaign.watch_alive = False
+                campaign.watch_alive = campaign.watching = False
                 aclose = getattr(stream, "aclose", None)
                 if aclose is not None:
                     with contextlib.suppress(Exception):
