@@ -700,9 +700,11 @@ class LeaderElection:
                 logging.DEBUG, "%s: held by %s (token %d), following", group,
                 leader.participant_id, leader.token,
             )  # fmt: skip
-            if campaign.notified and held_off and not self._holding_off():
-                # The hold-off ended on a notification: answer it as any follower does,
-                # with a try (on ZooKeeper, it queues this participant behind the leader).
+            # The hold-off ended on a notification: on ZooKeeper, answer it as any follower
+            # does, with a try, which queues this participant behind the leader. Elsewhere
+            # a try on a held group changes nothing.
+            ended = campaign.notified and held_off and not self._holding_off()
+            if ended and provider.queues_candidates:
                 return await self._acquire(metadata, bound, holder=leader)
             return None
         if campaign.vacant_since is None:

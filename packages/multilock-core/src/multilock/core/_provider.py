@@ -241,6 +241,14 @@ class Provider(abc.ABC):
         """The lease durations this store can honour (default: any)."""
         return LeaseBounds()
 
+    @property
+    def queues_candidates(self) -> bool:
+        """True when ``try_acquire`` on a held group queues the caller behind the leader
+        (ZooKeeper's candidate nodes), so that it leads without a round trip once the
+        leader goes. A round that has just read another leader then still tries; on other
+        stores such a try changes nothing, and is not sent. Default False."""
+        return False
+
     async def aclose(self) -> None:
         """Release connections and background tasks. Idempotent."""
         return

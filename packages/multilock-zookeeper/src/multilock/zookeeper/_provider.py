@@ -162,6 +162,10 @@ class ZooKeeperProvider(Provider):
         why = f"a crashed leader's node lives until its session_timeout ({timeout:g} s) ends"
         return LeaseBounds(minimum=timeout, reason=why)
 
+    @property
+    def queues_candidates(self) -> bool:
+        return True
+
     def _path(self, group: str, name: str = "") -> str:
         return f"{self._settings.root}/{group}" + (f"/{name}" if name else "")
 

@@ -102,6 +102,10 @@ class FaultyProvider(Provider):
     def lease_bounds(self) -> LeaseBounds:
         return self.inner.lease_bounds
 
+    @property
+    def queues_candidates(self) -> bool:
+        return self.inner.queues_candidates
+
     def watch(self, group: str) -> AsyncIterator[None] | None:
         inner = self.inner.watch(group)
         return None if inner is None else self._watch(inner)
