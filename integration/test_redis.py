@@ -421,6 +421,67 @@ async def test_redlock_undoes_every_lease_of_a_failed_round(
         assert await lease_state(redis_servers, g) == [({}, -2)] * 3
 
 
+async def test_redlock_wakes_once_per_event_at_its_majority_and_takes_it_past_a_laggard(
+    redis_servers: list[BaseServer],
+) -> None:
+    """The holder's release runs on node 0 last (Redis orders commands per connection,
+    not across clients). The watch wakes once per event, when a majority of the nodes
+    has published it, never at the first copy; and the follower it wakes then takes a
+    majority although node 0, the first it asks, still refuses."""
+    urls = [s.url for s in redis_servers]
+    g, marker = group(), group()
+    async with RedlockProvider(urls) as p, RedlockProvider(urls) as q:
+        notified: list[str] = []
+        notify = q._notifications.notify
+
+        def record(name: str) -> None:
+            notified.append(name)
+            notify(name)
+
+        q._notifications.notify = record  # type: ignore[method-assign]
+        watch = q.watch(g)
+        await next_wake(watch, 5.0)  # subscribed on every node
+
+        async def heard(*nodes: int) -> None:
+            """Wait until the listener has read all that *nodes* published so far: a
+            message with no attempt id, published after it, notifies at every copy."""
+            expected = notified.count(marker) + len(nodes)
+            for i in nodes:
+                async with Redis.from_url(urls[i]) as client:
+                    await client.publish(f"multilock:{{{marker}}}:changed", "released")
+
+            async def done() -> bool:
+                return notified.count(marker) == expected
+
+            await wait_for("the marker messages", done, 5.0)
+
+        first = await p.try_acquire(g, "p1", 30.0, {})
+        assert first is not None
+        await heard(0, 1, 2)
+        assert notified.count(g) == 1, "the acquire, on three nodes, notifies once"
+        await p._nodes[1].release(g, "p1", first.token)
+        await heard(1)
+        assert notified.count(g) == 1, "a release on one node of three is no event yet"
+        await p._nodes[2].release(g, "p1", first.token)
+        await heard(2)
+        assert notified.count(g) == 2, "the release shows on a majority: wake up"
+        second = await q.try_acquire(g, "q1", 30.0, {})
+        assert second is not None, "nodes 1 and 2 are free: node 0's refusal must not stop it"
+        assert second.token > first.token
+        [(record0, _)] = await lease_state(redis_servers[:1], g)
+        assert record0[b"participant"] == b"p1"  # node 0 still has the old lease
+        await heard(0, 1, 2)
+        assert notified.count(g) == 3
+        await p._nodes[0].release(g, "p1", first.token)  # the laggard's copy, at last
+        await heard(0)
+        assert notified.count(g) == 3
+        leader = await p.get_leader(g)
+        assert leader is not None
+        assert (leader.participant_id, leader.token) == ("q1", second.token)
+        await watch.aclose()  # type: ignore[attr-defined]
+        await q.release(g, "q1", second.token)
+
+
 # -- tokens across restarts ------------------------------------------------------------------
 
 

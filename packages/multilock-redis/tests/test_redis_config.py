@@ -201,14 +201,18 @@ def test_a_callers_client_with_a_one_connection_pool_is_refused() -> None:
         RedisProvider(client)
 
 
-def test_the_pattern_escapes_the_prefix_and_messages_name_their_group() -> None:
+async def test_the_pattern_escapes_the_prefix_and_messages_name_their_group() -> None:
     assert channel_name("multilock:", "g") == "multilock:{g}:changed"
     assert channel_pattern("multilock:") == "multilock:{*}:changed"
     assert channel_pattern("a*b?[c]") == r"a\*b\?\[c\]{*}:changed"
     node = RedisProvider("redis://localhost:6379/0", key_prefix="p*:")._node
-    assert node._remember(b"p*:{g-1}:changed", b"released") == ("g-1", "released")
+    assert node._remember(b"p*:{g-1}:changed", b"released") == ("g-1", "released", "")
     assert node._hints == {"g-1": None}
     assert node._remember("p*:{}:changed", "released") is None
+    # A Redlock lease's messages name the attempt that made it.
+    assert node._remember("p*:{g}:changed", "acquired 500 f00d") == ("g", "acquired", "f00d")
+    assert node._remember("p*:{g}:changed", "released f00d") == ("g", "released", "f00d")
+    assert node._remember("p*:{g}:changed", "acquired 500") == ("g", "acquired", "")
 
 
 async def test_a_message_answers_the_watch_without_a_round_trip() -> None:
@@ -219,6 +223,10 @@ async def test_a_message_answers_the_watch_without_a_round_trip() -> None:
     assert 59 < left <= 60
     node._remember("multilock:{g}:changed", "released")
     assert await node.expires_in("g") is None
+    node._remember("multilock:{g}:changed", "acquired 30000 f00d")  # a Redlock lease
+    left = await node.expires_in("g")
+    assert left is not None
+    assert 29 < left <= 30
     node._remember("multilock:{g}:changed", "acquired")  # an older writer: ask the server
     with pytest.raises(ProviderError, match="pttl"):
         await node.expires_in("g")

@@ -588,21 +588,24 @@ class Node:
             pipe.pttl(key)
         return await pipe.execute(raise_on_error=False)
 
-    def _remember(self, channel: Any, data: Any) -> tuple[str, str] | None:
-        """The group a message's *channel* names and the message's kind (``acquired``,
-        ``released``), after noting what *data* says of the group."""
+    def _remember(self, channel: Any, data: Any) -> tuple[str, str, str] | None:
+        """The group a message's *channel* names, the message's kind (``acquired``,
+        ``released``) and its attempt id ("" for none), after noting what *data* says of
+        the group."""
         name, start = _text(channel), len(self.prefix) + 1
         if not name.endswith(_scripts.CHANGED) or len(name) <= start + len(_scripts.CHANGED):
             return None
         group = name[start : -len(_scripts.CHANGED)]
-        kind, _, ms = _text(data).partition(" ")
+        kind, _, rest = _text(data).partition(" ")
         if kind == "released":
             self._note(group, None)
-        elif kind == "acquired" and ms.isdigit():
+            return group, kind, rest
+        ms, _, attempt = rest.partition(" ")
+        if kind == "acquired" and ms.isdigit():
             self._note(group, asyncio.get_running_loop().time() + int(ms) / 1000)
         else:
             self._hints.pop(group, None)
-        return group, kind
+        return group, kind, attempt
 
     def _note(self, group: str, ends: float | None) -> None:
         """Note when *group*'s lease ends here (None: released), for `expires_in`."""
@@ -610,9 +613,12 @@ class Node:
             self._hints.clear()
         self._hints[group] = ends
 
-    async def listen(self, ready: Callable[[], None], notify: Callable[[str, str], None]) -> None:
+    async def listen(
+        self, ready: Callable[[], None], notify: Callable[[str, str, str], None]
+    ) -> None:
         """Subscribe once to every group's channel, then report: `ready`, and
-        ``notify(group, kind)`` for each message (*kind*: ``acquired``, ``released``).
+        ``notify(group, kind, attempt)`` for each message (*kind*: ``acquired``,
+        ``released``; *attempt*: the Redlock attempt that made the lease, "" for none).
 
         Runs until cancelled or the connection breaks (`ProviderError`). redis-py
         reconnects a dropped connection once and subscribes again, which calls `ready`.

@@ -100,7 +100,7 @@ class RedisProvider(RedisBase):
             raise ConfigurationError("node_timeout is an option of redlock:// URLs only")
         node = self._node = Node.build(client, self._settings, sentinel_kwargs)
         self._notifications = Notifications(
-            lambda n: node.listen(n.ready, lambda group, _kind: n.notify(group)),
+            lambda n: node.listen(n.ready, lambda group, _kind, _attempt: n.notify(group)),
             name=f"redis pub/sub on {node.label}",
             expires_in=node.expires_in,
         )

@@ -56,72 +56,80 @@ async def fanout(
     return results
 
 
-class OncePerEvent:
-    """Every node publishes each event of a group (its acquire, its release): pass the
-    first copy on, to ``notify(group)``, and drop the others.
+#: Events of one group that some node has yet to report, kept at most (the oldest goes).
+PENDING = 8
 
-    Each node's messages come in the order its server ran the scripts, so the k-th
-    ``released`` of a group from one node is the k-th from another: a message is a new
-    event when its node has now sent more of that kind for that group than any other
-    node. A watch thus wakes once per event, not once per node (a resigner would take
-    the copies of its own release for another participant's acts). Counts are kept
-    relative to the node that sent fewest, and dropped once every node has sent the
-    same, so only events some node has yet to report take memory.
+
+class OncePerEvent:
+    """Every node publishes each event of a Redlock lease (its acquire, its release),
+    tagged with the attempt that made the lease: pass the event on, to
+    ``notify(group)``, at the copy that shows it on *quorum* nodes, and drop the others.
+
+    A follower woken then finds the lease gone from a majority, so its try can win, even
+    while the other nodes have yet to run the release (Redis orders commands per
+    connection, not across clients). A resigner sees its own release once, not once per
+    node (it would take the copies for other participants' acts), and a successor's
+    acquire once the successor holds a majority. An attempt that fell short of one, and
+    its undo, wake nobody. A message with no attempt id (a writer of an older version)
+    passes on at once. An event is dropped once every node reported it; each group keeps
+    at most `PENDING` others (a node is down, an attempt fell short), the oldest that
+    notified going first, then the oldest.
     """
 
-    def __init__(self, nodes: int, notify: Callable[[str], None]) -> None:
-        self._nodes, self._notify = nodes, notify
-        #: (group, kind) -> each node's messages of that kind beyond the fewest any sent.
-        self._ahead: dict[tuple[str, str], list[int]] = {}
+    def __init__(self, nodes: int, quorum: int, notify: Callable[[str], None]) -> None:
+        self._nodes, self._quorum, self._notify = nodes, quorum, notify
+        #: group -> (kind, attempt) -> the nodes that reported it, oldest event first.
+        self._pending: dict[str, dict[tuple[str, str], set[int]]] = {}
 
-    def message(self, node: int, group: str, kind: str) -> None:
-        counts = self._ahead.pop((group, kind), None) or [0] * self._nodes
-        counts[node] += 1
-        if counts[node] > max((c for i, c in enumerate(counts) if i != node), default=0):
-            self._notify(group)  # the first copy of a new event
-        self._keep((group, kind), counts)
-
-    def resubscribed(self, node: int) -> None:
-        """*node* (again) subscribed, and missed what came before: level it with the node
-        that sent most (a copy it did not miss then wakes the watches once more)."""
-        for key, counts in list(self._ahead.items()):
-            counts[node] = max(counts)
-            self._keep(key, counts)
-
-    def _keep(self, key: tuple[str, str], counts: list[int]) -> None:
-        least = min(counts)
-        counts = [c - least for c in counts] if least else counts
-        if any(counts):
-            self._ahead[key] = counts
-        else:
-            self._ahead.pop(key, None)
+    def message(self, node: int, group: str, kind: str, attempt: str) -> None:
+        if not attempt:
+            self._notify(group)
+            return
+        events = self._pending.setdefault(group, {})
+        reported = events.get((kind, attempt))
+        if reported is None:
+            if len(events) >= PENDING:
+                # Rather one that notified: its last copies are fewer than a majority, so
+                # one of them never notifies again, and cannot be mistaken for a new event.
+                full = [key for key, nodes in events.items() if len(nodes) >= self._quorum]
+                del events[full[0] if full else next(iter(events))]
+            reported = events[kind, attempt] = set()
+        elif node in reported:
+            return
+        reported.add(node)
+        if len(reported) == self._quorum:
+            self._notify(group)  # the event now holds on a majority of the nodes
+        if len(reported) == self._nodes:
+            del events[kind, attempt]
+            if not events:
+                del self._pending[group]
 
 
 async def listen_quorum(nodes: Sequence[Node], quorum: int, notifications: Notifications) -> None:
     """Listen on every node; ready once *quorum* are subscribed; raise when too few are left.
 
-    The first copy of each event, whichever node sends it, wakes the group's watches
+    Each event wakes the group's watches once, when *quorum* nodes have reported it
     (`OncePerEvent`). A node whose subscription breaks is not retried while a quorum
     remains: the next listener (after every watch closed, or after this one raised)
     subscribes on every node again.
     """
     subscribed: set[int] = set()
-    events = OncePerEvent(len(nodes), notifications.notify)
+    events = OncePerEvent(len(nodes), quorum, notifications.notify)
 
     def on_ready(i: int) -> Callable[[], None]:
         def ready() -> None:
             # Ready once a quorum is subscribed, and again when one of them subscribes anew
-            # after a reconnect (it may have missed messages); a late node joining is quiet.
+            # after a reconnect (it may have missed messages, so an event may never show
+            # on a majority here: every watch wakes instead); a late node joining is quiet.
             again = i in subscribed
             subscribed.add(i)
-            events.resubscribed(i)  # what it did not hear is older than its subscription
             if len(subscribed) == quorum or (again and len(subscribed) >= quorum):
                 notifications.ready()
 
         return ready
 
-    def on_message(i: int) -> Callable[[str, str], None]:
-        return lambda group, kind: events.message(i, group, kind)
+    def on_message(i: int) -> Callable[[str, str, str], None]:
+        return lambda group, kind, attempt: events.message(i, group, kind, attempt)
 
     tasks = [
         asyncio.ensure_future(node.listen(on_ready(i), on_message(i)))

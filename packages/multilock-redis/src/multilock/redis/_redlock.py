@@ -7,13 +7,17 @@ majority of servers granted it, within its validity (lease - elapsed - drift, dr
 1% of the lease + 2 ms); otherwise the attempt is undone and ``try_acquire`` returns
 None. A live term is thus never joined, nor extended by anyone's ``try_acquire``: a term
 whose reply was lost is found with ``get_leader`` and taken up with ``renew``. To avoid
-split votes among concurrent candidates, the first server that answers is asked alone
-first: a candidate it refuses stops there; the others are then asked concurrently.
+split votes among concurrent candidates, the servers are asked alone, one after another,
+until one grants (a candidate stops once a majority is out of reach: with three
+servers, at its second refusal); the servers after it are then asked concurrently. A
+server that has yet to run the last holder's release (or that kept a lease a release
+did not reach) thus costs a candidate one round trip, not the term.
 ``renew`` needs a majority too, ``release`` goes to all, ``get_leader`` reports the holder
 a majority reports, with the metadata as written. One dead or hung server does not stall
 a round: every call has a short per-node timeout, and reads end as soon as their outcome
 is decided. The watches share one pattern subscription per server and break when fewer
-than a majority of them are alive.
+than a majority of them are alive; each event wakes them once, when a majority of the
+servers has published it.
 
 Undo. Every lease an attempt creates carries the attempt's random nonce, and the undo
 deletes exactly those leases, whatever token a lost reply or a lost commit left there,
@@ -40,8 +44,8 @@ restarts without data, or whose clock jumps forward, can expire a lease early an
 second leader in, and a leader paused (GC, SIGSTOP) past its deadline acts on a lease
 that is gone. The election's deadline bounds the first holder's belief; only the fencing
 token, checked by the protected resource, makes stale writes harmless. A stray lease on
-the first server that answers makes every candidate stop there until it is undone or
-expires: it delays the next term, never splits one.
+a minority of servers is skipped; on a majority it delays the next term until it is
+undone or expires, and never splits one.
 """
 
 from __future__ import annotations
@@ -225,12 +229,13 @@ class RedlockProvider(RedisBase):
     async def _campaign(self, attempt: _Attempt, limit: float) -> int | None:
         """Take a majority and agree on one token; return it, or None."""
         order = range(len(self._nodes))
+        spare = len(self._nodes) - self.quorum  # how many may refuse or fail: a majority left
         for first in order:
-            if await self._ask(attempt, first, 0, limit):
+            if await self._ask(attempt, first, 0, limit) and first not in attempt.refused:
                 break
+            if len(attempt.refused) + len(attempt.errors) > spare:
+                return None
         else:
-            return None
-        if first in attempt.refused:
             return None
         candidate = attempt.granted[first].token
         await asyncio.gather(*(self._ask(attempt, i, candidate, limit) for i in order[first + 1 :]))

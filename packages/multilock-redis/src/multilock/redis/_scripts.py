@@ -9,7 +9,9 @@ Keys of a group (``{group}`` is a Redis Cluster hash tag, so all of them share o
 - ``<prefix>{<group>}:token``: the last token handed out. Never deleted, no TTL.
 - channel ``<prefix>{<group>}:changed``: a message on every new term (``acquired <lease
   ms>``, so a watch knows when it ends without asking) and every release (``released``).
-  A watch subscribes to the pattern `channel_pattern` once for all groups.
+  A Redlock lease adds its attempt id to both (``acquired <lease ms> <attempt>``,
+  ``released <attempt>``), so that the copies of one event from the servers are known
+  as one. A watch subscribes to the pattern `channel_pattern` once for all groups.
 
 Tokens are decimal strings in Redis and never pass through Lua's ``tostring`` (which
 prints large numbers in exponent form); Lua numbers are doubles, exact below 2**53, and
@@ -62,7 +64,11 @@ if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[1], 'attempt', ARGV[7])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('PUBLISH', ARGV[6], 'acquired ' .. ARGV[2])
+if ARGV[7] ~= '' then
+  redis.call('PUBLISH', ARGV[6], 'acquired ' .. ARGV[2] .. ' ' .. ARGV[7])
+else
+  redis.call('PUBLISH', ARGV[6], 'acquired ' .. ARGV[2])
+end
 return {token, at}
 """
 
@@ -95,7 +101,11 @@ elseif held[2] ~= ARGV[2] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[3], 'released')
+if held[3] then
+  redis.call('PUBLISH', ARGV[3], 'released ' .. held[3])
+else
+  redis.call('PUBLISH', ARGV[3], 'released')
+end
 return 1
 """
 
