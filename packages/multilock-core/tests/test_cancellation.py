@@ -308,6 +308,61 @@ def test_a_new_leader_does_not_renew_for_its_own_acquire_but_for_the_next_notifi
     run(body)
 
 
+class TwoLegs(LateWatch):
+    """`LateWatch` whose acquires and reads also take a reply leg: the store acts *rtt* after
+    the call and answers *rtt* later, its notification leaving when it acts (so a
+    follower refused because another just won hears of that win before the refusal)."""
+
+    async def try_acquire(self, *args):
+        result = await super().try_acquire(*args)
+        await asyncio.sleep(self.rtt)
+        return result
+
+    async def get_leader(self, group):
+        result = await super().get_leader(group)
+        await asyncio.sleep(self.rtt)
+        return result
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.005], ids=["notified first", "answered first"])
+def test_a_follower_beaten_to_the_group_tries_once_per_handoff(lag):
+    # When the leader releases, every follower tries at once and one wins. The winner's
+    # notification then woke each of the others again, and each tried once more (a write
+    # that could only fail) and read once more, although its read had seen the winner.
+    # A notification that comes only after the read was sent may announce a change that
+    # read did not see: that one is still answered.
+    async def body(clock, store):
+        stores = {name: TwoLegs(store, lag) for name in "abcd"}
+        elections = {name: election(stores[name], name) for name in "abcd"}
+        await elections["a"].start()
+        await leads(elections["a"], 1.0)
+        for name in "bcd":
+            await elections[name].start()
+        await asyncio.sleep(LEASE / 2)  # every watch is on
+        loop, leader = asyncio.get_running_loop(), elections["a"]
+        rounds = ["try_acquire", "get_leader"] * (2 if lag else 1)
+        for _ in range(6):
+            for s in stores.values():
+                s.made.clear()
+            resigned = loop.time()
+            await leader.resign()
+            async with asyncio.timeout(1.0):
+                while not (won := [e for e in elections.values() if e.is_leader]):
+                    await asyncio.sleep(0.0005)
+            assert loop.time() - resigned < 0.01 + lag, "the handoff waited"
+            await asyncio.sleep(LEASE / 10)  # every follower has settled
+            for name, e in elections.items():
+                if e is not leader and e is not won[0]:
+                    calls = [m for m, _ in stores[name].made if m != "watch"]
+                    assert calls == rounds, (name, calls)
+            leader = won[0]
+            await asyncio.sleep(LEASE / 2)  # past the resigner's hold-off
+        for e in elections.values():
+            await e.stop()
+
+    run(body)
+
+
 class SlowToWatch(FaultyProvider):
     """A store whose watches come on *delay* seconds after they are asked for."""
 

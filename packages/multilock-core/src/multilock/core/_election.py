@@ -143,6 +143,11 @@ class _Campaign:
     #: The hold-off ended on a notification, perhaps of a successor's acquire still under
     #: way (on one node of several): read before trying.
     look_first: bool = False
+    #: This round's last read found another participant leading, and the watch loop's
+    #: wake-up count (`LeaderElection._wakeups`) was this when that read was sent (None:
+    #: no such read, or sent unwatched). A wake-up from before it announced what the
+    #: read then saw.
+    held_at_read: int | None = None
 
     def mine(self, info: LeaderInfo, participant_id: str) -> bool:
         return info.participant_id == participant_id and info.metadata.get(INSTANCE_KEY) == (
@@ -216,6 +221,8 @@ class LeaderElection:
         #: Notifications the watch has yielded (not its first yield, which says it is on):
         #: several may come before the campaign looks, and `_wake` holds only one.
         self._notifications = 0
+        #: Every wake-up the watch loop gave (its first yield and its failures too).
+        self._wakeups = 0
         self._interrupt = asyncio.Event()  # the leader loop: renew now, or the term ended
         self._stats = _Stats()
         self._log = ElectionLog(log, options.group, options.participant_id, self._now)
@@ -652,7 +659,7 @@ class LeaderElection:
         campaign, group = self._campaign, self.group
         metadata = {**self._options.metadata, INSTANCE_KEY: campaign.nonce}
         bound = self._clock() + self._usable_lease
-        campaign.round_failed = False
+        campaign.round_failed, campaign.held_at_read = False, None
         try:
             at_once = not (campaign.in_doubt or campaign.look_first or self._holding_off())
             if campaign.notified and at_once:
@@ -680,6 +687,7 @@ class LeaderElection:
             self.participant_id,
             self._campaign,
         )
+        count = self._wakeups if campaign.watching else None
         leader = await call_until(provider.get_leader(group), bound)
         held_off = self._holding_off() or campaign.look_first
         campaign.look_first = False
@@ -696,6 +704,8 @@ class LeaderElection:
                     campaign.in_doubt, campaign.notifications_at_try = False, None
                     return leader, sent
             self._observe(leader)
+            if not campaign.mine(leader, me):
+                campaign.held_at_read = count
             self._log.log(
                 logging.DEBUG, "%s: held by %s (token %d), following", group,
                 leader.participant_id, leader.token,
@@ -735,8 +745,11 @@ class LeaderElection:
         if info is not None and holder is not None and campaign.vacant_since is None:
             campaign.vacant_since = sent  # the leader it saw gave up meanwhile: a failover
         if info is None or not campaign.mine(info, self.participant_id):
+            count = self._wakeups if campaign.watching else None
             holder = await call_until(provider.get_leader(group), bound)
             self._observe(holder)
+            if holder is not None and not campaign.mine(holder, self.participant_id):
+                campaign.held_at_read = count
             self._log.log(
                 logging.DEBUG, "%s: acquire refused; held by %s", group,
                 "nobody" if holder is None else holder.participant_id,
@@ -748,9 +761,15 @@ class LeaderElection:
         return self._clock() < self._campaign.holdoff_until
 
     async def _wait_as_follower(self) -> None:
-        options = self._options
-        if self._campaign.round_failed:
+        options, campaign = self._options, self._campaign
+        if campaign.round_failed:
             self._wake.clear()  # a wake-up from before a failed round is stale: back off
+        elif campaign.held_at_read == self._wakeups and not self._holding_off():
+            # Every wake-up came before the round's last read was sent, and that read found
+            # the group held: it saw what they announced (the winner's acquire, when every
+            # follower tried at once). The next change notifies again, or the lease the
+            # watch saw runs out; a try now could only fail.
+            self._wake.clear()
         if self._holding_off():
             when = self._campaign.holdoff_until  # the watch may show another leader sooner
         else:
@@ -856,6 +875,7 @@ class LeaderElection:
                 async for _ in stream:
                     raise_if_cancelled()
                     self._wake.set()
+                    self._wakeups += 1
                     if campaign.watching:
                         self._notifications += 1
                     if self._term is not None and campaign.watching:
@@ -875,6 +895,7 @@ class LeaderElection:
                         await aclose()
             raise_if_cancelled()
             self._wake.set()
+            self._wakeups += 1
             await asyncio.sleep(_jitter(self._options.retry_interval))
 
     # ------------------------------------------------------------------ helpers
