@@ -186,3 +186,16 @@ def test_compare_runs_two_versions_and_the_baselines_side_by_side():
         ["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True
     )
     assert "multilock-compare-" not in worktrees.stdout, "the worktree was left behind"
+
+
+def test_herd_counts_the_store_commands_of_each_handoff():
+    # Two followers: every handoff is one release (a script) and a try by each follower
+    # (a script each) at the least, so fewer than 3 scripts per handoff is a broken count.
+    command = [sys.executable, str(ROOT / "benchmarks" / "herd.py")]
+    command += ["--followers", "2", "--handoffs", "3", "--lease", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"^handoff p50 \d+\.\d\d ms", result.stdout, re.MULTILINE), result.stdout
+    scripts = float(cells(result.stdout, "evalsha")[1])
+    assert scripts >= 3.0, result.stdout
+    assert float(cells(result.stdout, "del")[1]) == 1.0  # one release per handoff
