@@ -404,7 +404,7 @@ async def test_renewals_of_one_loop_turn_share_one_statement(url: str) -> None:
 
 
 def batches_sent(provider: PostgresProvider, kind: str) -> list[tuple[str, list[str]]]:
-    """Record the *kind* statements (acquire, release) *provider* runs from now on, each
+    """Record the *kind* statements (acquire, renew, release) *provider* runs from now on, each
     as ("one", [group]) on plain values or ("many", groups) over arrays."""
     statements: list[tuple[str, list[str]]] = []
     one, many = getattr(provider._sql, kind), getattr(provider._sql, f"{kind}_many")
@@ -419,6 +419,39 @@ def batches_sent(provider: PostgresProvider, kind: str) -> list[tuple[str, list[
 
     provider._connections.run = counted  # type: ignore[method-assign]
     return statements
+
+
+async def test_a_lone_renewal_goes_on_plain_values(url: str) -> None:
+    # A leader's renewal is mostly alone in its loop turn: it runs the statement on plain
+    # values, with the same answers as the one over arrays (a stale token, another
+    # participant and a lapsed lease are refused; the metadata is written).
+    g, lapsed = fresh(), fresh()
+    async with PostgresProvider(url) as provider:
+        term = await provider.try_acquire(g, "p1", 10.0, {})
+        short = await provider.try_acquire(lapsed, "p1", 0.05, {})
+        assert term is not None
+        assert short is not None
+        statements = batches_sent(provider, "renew")
+        assert await provider.renew(g, "p1", term.token, 30.0, {"n": "1"})
+        assert not await provider.renew(g, "p1", term.token + 1, 30.0, {})
+        assert not await provider.renew(g, "p2", term.token, 30.0, {})
+        async with asyncio.timeout(5):
+            while await provider.get_leader(lapsed) is not None:
+                await asyncio.sleep(0.05)  # the lease runs out on the server's clock
+        assert not await provider.renew(lapsed, "p1", short.token, 30.0, {})
+        assert statements == [("one", [g])] * 3 + [("one", [lapsed])]
+        leader = await provider.get_leader(g)
+        assert leader is not None
+        assert (leader.token, leader.metadata) == (term.token, {"n": "1"})
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cursor = await conn.execute(
+            "SELECT extract(epoch FROM expires_at - clock_timestamp()) FROM multilock_leases"
+            " WHERE group_name = %s",
+            [g],
+        )
+        row = await cursor.fetchone()
+    assert row is not None
+    assert 20 < row[0] <= 30, "renewed to 30 s"
 
 
 async def test_releases_asked_for_while_one_is_on_its_way_share_one_statement(

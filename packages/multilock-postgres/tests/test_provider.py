@@ -107,7 +107,7 @@ def test_only_acquire_and_release_notify() -> None:
     assert f"pg_notify('{channel}', group_name)" in sql.release.decode()
     assert f"pg_notify('{channel}', group_name)" in sql.release_many.decode()
     assert f"pg_notify('{channel}', r.payload)" in sql.acquire_many.decode()
-    for quiet in (sql.renew_many, sql.leader, sql.expires_in):
+    for quiet in (sql.renew, sql.renew_many, sql.leader, sql.expires_in):
         assert b"notify" not in quiet
 
 

@@ -13,9 +13,9 @@ instance nonce) and taken up with ``renew``, which compares participant id and t
 
 Batches (`Batches`): acquires and releases go at once when none of their kind is on its
 way, and those asked for meanwhile together after it; renewals go once per loop turn.
-A batch of one (a handoff's acquire or release) runs the plain statement; a larger one is
-one statement over arrays, its rows sorted by group (no deadlock between two processes'
-batches), a group at most once per acquire batch.
+A batch of one (a handoff's acquire or release, a leader's renewal) runs the plain
+statement; a larger one is one statement over arrays, its rows sorted by group (no
+deadlock between two processes' batches), a group at most once per acquire batch.
 
 Watching: acquire and release ``pg_notify`` the table's one channel in the same statement
 (delivered at commit), with the group (and a new lease's duration) as the payload. A
@@ -255,7 +255,7 @@ class PostgresProvider(Provider):
     async def _renew_many(self, renewals: list[_Renewal]) -> list[bool]:
         """Renew a batch in one statement; whether each was renewed (`Batches`)."""
         names = ("group", "participant", "token", "lease", "metadata")
-        rows = await self._run_many((None, self._sql.renew_many), names, renewals)
+        rows = await self._run_many((self._sql.renew, self._sql.renew_many), names, renewals)
         renewed = {tuple(row) for row in rows}
         return [(g, p, t) in renewed for g, p, t, _, _ in renewals]
 
@@ -271,12 +271,12 @@ class PostgresProvider(Provider):
 
     async def _run_many(
         self,
-        statements: tuple[bytes | None, bytes],
+        statements: tuple[bytes, bytes],
         names: tuple[str, ...],
         items: Sequence[tuple[Any, ...]],
     ) -> list[tuple[Any, ...]]:
         """Run a batch as one statement: *statements* are the one on plain values for a
-        single item (a little cheaper; None: none) and the one over arrays. Field *i* of
+        single item (a little cheaper) and the one over arrays. Field *i* of
         the items is the parameter *names[i]*. The items go sorted by their first field,
         the group, so that batches from any number of processes lock the rows they share
         in one order (no deadlock). Its errors stay the driver's, for `Batches` to give
@@ -284,7 +284,7 @@ class PostgresProvider(Provider):
         await self._ensure_table()
         items = sorted(items, key=lambda item: item[0])  # by group: rows locked in one order
         one, many = statements
-        if one is not None and len(items) == 1:
+        if len(items) == 1:
             query, params = one, dict(zip(names, items[0], strict=True))
         else:
             query = many

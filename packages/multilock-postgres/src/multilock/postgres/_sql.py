@@ -115,6 +115,15 @@ class Statements:
         )
         # The renewals one loop turn asked for, in one statement (`Batches`): the same
         # condition for each (its participant, its token, a live lease), one clock reading.
+        # A leader's own renewal is mostly alone: a batch of one goes on plain values.
+        self.renew = q(
+            "UPDATE {t} AS t SET expires_at = c.now + make_interval(secs => %(lease)s),"
+            " metadata = %(metadata)s::jsonb"
+            " FROM (SELECT clock_timestamp() AS now) AS c"
+            " WHERE t.group_name = %(group)s AND t.participant_id = %(participant)s"
+            " AND t.token = %(token)s AND t.expires_at > c.now"
+            " RETURNING t.group_name, t.participant_id, t.token"
+        )
         self.renew_many = q(
             "UPDATE {t} AS t SET expires_at = c.now + make_interval(secs => r.lease),"
             " metadata = r.metadata::jsonb"
