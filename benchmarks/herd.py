@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "integration"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import redis  # noqa: E402
 from backends import Backends  # noqa: E402
 from common import HANDOFF_RETRY  # noqa: E402
 
@@ -41,8 +42,6 @@ def commands(client: Any) -> dict[str, int]:
 
 
 async def measure(url: str, followers: int, handoffs: int, lease: float) -> dict[str, Any]:
-    import redis
-
     provider = RedisProvider(url)
     elections = [
         LeaderElection(

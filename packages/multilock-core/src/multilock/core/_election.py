@@ -687,8 +687,7 @@ class LeaderElection:
             self.participant_id,
             self._campaign,
         )
-        count = self._wakeups if campaign.watching else None
-        leader = await call_until(provider.get_leader(group), bound)
+        leader = await self._read_leader(bound)
         held_off = self._holding_off() or campaign.look_first
         campaign.look_first = False
         if leader is not None:
@@ -704,8 +703,6 @@ class LeaderElection:
                     campaign.in_doubt, campaign.notifications_at_try = False, None
                     return leader, sent
             self._observe(leader)
-            if not campaign.mine(leader, me):
-                campaign.held_at_read = count
             self._log.log(
                 logging.DEBUG, "%s: held by %s (token %d), following", group,
                 leader.participant_id, leader.token,
@@ -745,17 +742,24 @@ class LeaderElection:
         if info is not None and holder is not None and campaign.vacant_since is None:
             campaign.vacant_since = sent  # the leader it saw gave up meanwhile: a failover
         if info is None or not campaign.mine(info, self.participant_id):
-            count = self._wakeups if campaign.watching else None
-            holder = await call_until(provider.get_leader(group), bound)
+            holder = await self._read_leader(bound)
             self._observe(holder)
-            if holder is not None and not campaign.mine(holder, self.participant_id):
-                campaign.held_at_read = count
             self._log.log(
                 logging.DEBUG, "%s: acquire refused; held by %s", group,
                 "nobody" if holder is None else holder.participant_id,
             )  # fmt: skip
             return None
         return info, sent
+
+    async def _read_leader(self, bound: float) -> LeaderInfo | None:
+        """Read the group; if another participant leads, note the wake-ups before the read
+        was sent (`_Campaign.held_at_read`)."""
+        campaign = self._campaign
+        count = self._wakeups if campaign.watching else None
+        leader = await call_until(self._provider.get_leader(self.group), bound)
+        if leader is not None and not campaign.mine(leader, self.participant_id):
+            campaign.held_at_read = count
+        return leader
 
     def _holding_off(self) -> bool:
         return self._clock() < self._campaign.holdoff_until

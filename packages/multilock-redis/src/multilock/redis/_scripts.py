@@ -60,15 +60,13 @@ local at = string.format('%.0f', clock)
 redis.call('SET', KEYS[2], token)
 redis.call('HSET', KEYS[1], 'participant', ARGV[1], 'token', token,
            'metadata', ARGV[3], 'acquired_at', at)
+local message = 'acquired ' .. ARGV[2]
 if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[1], 'attempt', ARGV[7])
+  message = message .. ' ' .. ARGV[7]
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if ARGV[7] ~= '' then
-  redis.call('PUBLISH', ARGV[6], 'acquired ' .. ARGV[2] .. ' ' .. ARGV[7])
-else
-  redis.call('PUBLISH', ARGV[6], 'acquired ' .. ARGV[2])
-end
+redis.call('PUBLISH', ARGV[6], message)
 return {token, at}
 """
 
@@ -101,11 +99,7 @@ elseif held[2] ~= ARGV[2] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-if held[3] then
-  redis.call('PUBLISH', ARGV[3], 'released ' .. held[3])
-else
-  redis.call('PUBLISH', ARGV[3], 'released')
-end
+redis.call('PUBLISH', ARGV[3], held[3] and 'released ' .. held[3] or 'released')
 return 1
 """
 
