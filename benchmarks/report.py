@@ -521,13 +521,16 @@ def _handoff_targets(
         measured = f"p50 {h['p50']:.2f} ms, p95 {h['p95']:.2f} ms, p99 {h['p99']:.2f} ms"
         if wanted:
             measured += f"; {wanted}"
-        bound = "" if ok else f". What bounds it: {_bound(name, h, results, core)}"
+        bound = "" if ok else f". What bounds it: {_bound(name, h, results, core, limit)}"
         lines.append(f"- {what}: {verdict(ok)} ({measured}){bound}")
     return lines
 
 
-def _bound(name: str, h: dict[str, Any], results: dict[str, dict[str, Any]], core: Any) -> str:
-    """What a missed handoff target is made of: the core's share, round trips, a poll."""
+def _bound(
+    name: str, h: dict[str, Any], results: dict[str, dict[str, Any]], core: Any, limit: float
+) -> str:
+    """What a missed handoff target is made of: the core's share, round trips, a poll;
+    and whether the driver's floor and the core's share alone already exceed *limit*."""
     parts = []
     if core is not None:
         parts.append(f"the core's own share (the in-memory handoff) p50 {core:.2f} ms")
@@ -546,6 +549,15 @@ def _bound(name: str, h: dict[str, Any], results: dict[str, dict[str, Any]], cor
             f"{f['p50']:.2f} ms, p99 {f['p99']:.2f} ms here, so the store, the driver and "
             f"this machine's wake-ups leave {h['p50'] - f['p50']:.2f} ms to the library"
         )
+        if core is not None:
+            # Both lie on the handoff's path one after the other: the core's steps come
+            # before the release, between the wake-up and the acquire, and after it.
+            least = f["p50"] + core
+            if least > limit:
+                side = "above the target: a provider that cost nothing would miss it too"
+            else:
+                side = "within the target: the rest is the provider's"
+            parts.append(f"the floor and the core's share add up to about {least:.2f} ms, {side}")
     t = results.get(name, {}).get("round_trip")
     if t is not None:
         rest = h["p50"] - (core or 0.0)

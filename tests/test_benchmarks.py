@@ -169,6 +169,36 @@ def test_timeline_cuts_a_handoff_at_its_own_participants_steps():
     ]
 
 
+def test_a_missed_handoff_target_says_whether_the_floor_and_the_core_already_miss_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+
+    def handoff(p50: float) -> dict[str, float]:
+        return {"p50": p50, "p95": p50, "p99": p50, "notify_delay": 0.0}
+
+    def floor(p50: float) -> dict[str, object]:
+        return {"p50": p50, "p99": p50, "operation": "the steps"}
+
+    results = {
+        "memory": {"handoff": handoff(0.8)},
+        # 1.2 + 0.8 = 2.0 > 1.5: no provider could meet the target here.
+        "redis": {"handoff": handoff(2.9), "floor": floor(1.2)},
+        # 0.5 + 0.8 = 1.3 <= 1.5: the provider's own cost makes the miss.
+        "postgres": {"handoff": handoff(2.6), "floor": floor(0.5)},
+        # Met: nothing to explain.
+        "etcd": {"handoff": handoff(2.0), "floor": floor(1.9)},
+    }
+    lines = {line.split(":")[0]: line for line in report._handoff_targets(results, {})}
+    redis = lines["- Handoff on redis"]
+    assert "NOT met" in redis
+    assert "the floor and the core's share add up to about 2.00 ms, above the target" in redis
+    postgres = lines["- Handoff on postgres"]
+    assert "add up to about 1.30 ms, within the target: the rest is the provider's" in postgres
+    etcd = lines["- Handoff on etcd"]
+    assert "**met**" in etcd
+    assert "What bounds it" not in etcd
+
+
 def test_compare_runs_two_versions_and_the_baselines_side_by_side():
     # HEAD against this checkout: both columns must measure, beside the driver's floor
     # (Redis, ZooKeeper) and kazoo's Election (ZooKeeper), each run in turn.
