@@ -49,3 +49,12 @@ def test_the_readme_provider_elects_and_declares_its_bounds() -> None:
     asyncio.run(main())
     with pytest.raises(ConfigurationError, match="the toy store's clock is coarse"):
         LeaderElection(provider, lease_duration=0.15)
+
+
+def test_every_name_of_the_kit_is_documented_in_the_readme() -> None:
+    import multilock.core.provider as kit
+
+    text = README.read_text()
+    section = text[text.index("## Writing a provider") :]
+    missing = [name for name in kit.__all__ if f"`{name}" not in section]
+    assert missing == [], f"kit names the README's provider section never mentions: {missing}"
