@@ -37,6 +37,7 @@ class Candidate(Protocol):
     def stand_down(self) -> None: ...
     def resume(self) -> None: ...
     def close(self) -> None: ...
+    def in_line(self) -> bool | None: ...
 
 
 def whole_seconds(lease: float) -> int:
@@ -76,6 +77,10 @@ class _Threaded:
 
     def resume(self) -> None:
         self.campaigning.set()
+
+    def in_line(self) -> bool | None:
+        """Whether this candidate waits in line behind the leader; None: no line (tooz)."""
+        return None
 
     def _join(self) -> None:
         self.closed.set()
@@ -185,6 +190,10 @@ class KazooCandidate(_Threaded):
     def stand_down(self) -> None:
         self.campaigning.clear()
         self._leading_done.set()
+
+    def in_line(self) -> bool | None:
+        # Two lock nodes: the leader's and this candidate's, queued behind it.
+        return len(self.client.get_children(self.path)) >= 2
 
     def close(self) -> None:
         self.closed.set()
