@@ -89,17 +89,18 @@ def measure_handoff(
                 continue
             latencies.append((at - started) * 1000)
             resigner, leader = candidates[leader], other
-            if resigner.in_line() is None:
-                # The resigner back to following, and a random phase against the pollers.
-                time.sleep(poll + 0.05 + rng.uniform(0, poll))
-                continue
-            # A notified peer (kazoo) is paced as multilock's handoff phase is: the
-            # resigner back in line, then 20 ms. The pause weighs on the figure (a machine
-            # idle longer wakes slower), so both wait alike.
             deadline = time.monotonic() + lease * 3
-            while not resigner.in_line() and time.monotonic() < deadline:
+            while (queued := resigner.in_line()) is False and time.monotonic() < deadline:
                 time.sleep(0.002)
-            time.sleep(0.02)
+            if queued is None:
+                # No line (tooz): the resigner back to following, and a random phase
+                # against the pollers.
+                time.sleep(poll + 0.05 + rng.uniform(0, poll))
+            else:
+                # A notified peer (kazoo) is paced as multilock's handoff phase is: the
+                # resigner back in line, then 20 ms. The pause weighs on the figure (a
+                # machine idle longer wakes slower), so both wait alike.
+                time.sleep(0.02)
     finally:
         for candidate in candidates:
             candidate.close()
